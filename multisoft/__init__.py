@@ -1,0 +1,35 @@
+"""multisoft: softmax, cross-entropy and block-sparse softmax on GPUs, one API over several backends.
+
+Backends (Triton, CuPy, numba-cuda, PyTorch) are chosen per call (``backend=``),
+per block (``use_backend``), by ``$MULTISOFT_BACKEND``, or automatically; no
+kernel framework is imported until a backend runs.
+"""
+
+from . import nn
+from ._registry import BackendUnavailableError, available_backends, use_backend
+from .blocksparse import (
+    BlockSparseLUT,
+    blocksparse_from_dense,
+    blocksparse_softmax,
+    blocksparse_softmax_backward,
+    blocksparse_to_dense,
+)
+from .cross_entropy import cross_entropy
+from .softmax import log_softmax, softmax
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "BlockSparseLUT",
+    "available_backends",
+    "blocksparse_from_dense",
+    "blocksparse_softmax",
+    "blocksparse_softmax_backward",
+    "blocksparse_to_dense",
+    "cross_entropy",
+    "log_softmax",
+    "nn",
+    "softmax",
+    "use_backend",
+]

@@ -1,0 +1,191 @@
+"""Backend discovery and resolution.
+
+Backends are packages found by name (top-level ``multisoft_<name>``) or
+through the entry-point group ``multisoft.backends``; they are imported only when first
+needed, and their kernel modules only when first called. See
+``backends/README.md`` for the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
+import threading
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+OPS = ("softmax", "cross_entropy", "blocksparse")
+ENV_VAR = "MULTISOFT_BACKEND"
+ENTRY_POINT_GROUP = "multisoft.backends"
+PACKAGE_PREFIX = "multisoft_"
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend that was asked for by name cannot run this call."""
+
+
+class Backend:
+    """A backend package, with its kernel modules loaded on first use."""
+
+    def __init__(self, name: str, package: str):
+        self.name = name
+        self.package = package
+        self._module: ModuleType | None = None
+        self._kernels: dict[str, ModuleType] = {}
+        self._reasons: dict[tuple, str | None] = {}
+
+    @property
+    def module(self) -> ModuleType:
+        if self._module is None:
+            self._module = importlib.import_module(self.package)
+        return self._module
+
+    @property
+    def priority(self) -> int:
+        return int(getattr(self.module, "PRIORITY", 0))
+
+    @property
+    def install_hint(self) -> str:
+        return getattr(self.module, "INSTALL", f"install the package {self.package}")
+
+    def version(self) -> str | None:
+        return self.module.version()
+
+    def notes(self) -> list[str]:
+        notes = getattr(self.module, "notes", None)
+        return list(notes()) if notes else []
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run on (device, dtype); None when it can. Cached."""
+        key = (device.type, device.index, dtype)
+        if key not in self._reasons:
+            if self.version() is None:
+                reason = f"not installed ({self.install_hint})"
+            else:
+                reason = self.module.unavailable_reason(device, dtype)
+            self._reasons[key] = reason
+        return self._reasons[key]
+
+    def kernels(self, op: str) -> ModuleType:
+        """The backend's kernel module for ``op`` (imports the framework)."""
+        module = self._kernels.get(op)
+        if module is None:
+            module = importlib.import_module(f"{self.package}.{op}")
+            self._kernels[op] = module
+        return module
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+
+_lock = threading.Lock()
+_backends: dict[str, Backend] = {}
+_discovered = False
+_default_order: list[Backend] | None = None
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("multisoft_backend", default=None)
+
+
+def _discover() -> None:
+    global _discovered
+    with _lock:
+        if _discovered:
+            return
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            _backends.setdefault(entry.name, Backend(entry.name, entry.value.split(":")[0]))
+        for module in pkgutil.iter_modules():
+            if module.name.startswith(PACKAGE_PREFIX):
+                name = module.name[len(PACKAGE_PREFIX):]
+                _backends.setdefault(name, Backend(name, module.name))
+        _discovered = True
+
+
+def backend_names() -> list[str]:
+    """Every backend known here, installed or not, in default priority order."""
+    return [b.name for b in _default_backends()]
+
+
+def _default_backends() -> list[Backend]:
+    global _default_order
+    if _default_order is None:
+        _discover()
+        found = []
+        for backend in _backends.values():
+            try:
+                backend.module
+            except ImportError:
+                continue
+            found.append(backend)
+        _default_order = sorted(found, key=lambda b: -b.priority)
+    return _default_order
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``; ValueError listing the known ones if none is."""
+    backend = _backends.get(name)
+    if backend is not None:
+        return backend
+    _discover()
+    if name not in _backends:
+        package = PACKAGE_PREFIX + name
+        if name.isidentifier() and importlib.util.find_spec(package) is not None:
+            _backends[name] = Backend(name, package)
+        else:
+            known = ", ".join(sorted(backend_names()))
+            raise ValueError(f"unknown backend {name!r}; known backends: {known}")
+    return _backends[name]
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the ops inside this block on backend ``name`` (thread- and task-local)."""
+    get_backend(name)
+    token = _current.set(name)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _require(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
+    backend = get_backend(name)
+    reason = backend.unavailable_reason(device, dtype)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} cannot run on {device} with {dtype}: {reason}")
+    return backend
+
+
+def resolve(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> Backend:
+    """The backend for a call: argument, then use_backend, then $MULTISOFT_BACKEND, then default."""
+    if backend is None:
+        backend = _current.get()
+    if backend is not None:
+        return _require(backend, device, dtype)
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        names = [n.strip() for n in env.split(",") if n.strip()]
+        if len(names) == 1:
+            return _require(names[0], device, dtype)
+        candidates = [get_backend(n) for n in names]
+    else:
+        candidates = _default_backends()
+    for candidate in candidates:
+        if candidate.unavailable_reason(device, dtype) is None:
+            return candidate
+    if env:
+        raise BackendUnavailableError(f"no backend of {ENV_VAR}={env!r} can run on {device} with {dtype}")
+    raise BackendUnavailableError(f"no installed backend can run on {device} with {dtype}")
+
+
+def available_backends(op: str | None = None) -> list[str]:
+    """Backends installed here that can run on this machine's default device, best first."""
+    if op is not None and op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return [b.name for b in _default_backends() if b.unavailable_reason(device, torch.float32) is None]

@@ -1,0 +1,112 @@
+"""softmax and log_softmax: torch.library ops, autograd, and the public functions."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate
+from ._registry import get_backend, resolve
+
+# -- the kernels of one backend on 2-D contiguous rows, into torch-allocated outputs
+
+
+def _forward(x: torch.Tensor, log: bool, backend: str) -> torch.Tensor:
+    out = torch.empty_like(x)
+    get_backend(backend).kernels("softmax").forward(x, out, log)
+    return out
+
+
+def _backward(y: torch.Tensor, dy: torch.Tensor, log: bool, backend: str) -> torch.Tensor:
+    dx = torch.empty_like(y)
+    get_backend(backend).kernels("softmax").backward(y, dy.contiguous(), dx, log)
+    return dx
+
+
+# -- torch.library ops, used under torch.compile
+
+
+@torch.library.custom_op("multisoft::softmax_forward", mutates_args=())
+def softmax_forward_op(x: torch.Tensor, log: bool, backend: str) -> torch.Tensor:
+    return _forward(x, log, backend)
+
+
+@softmax_forward_op.register_fake
+def _(x, log, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("multisoft::softmax_backward", mutates_args=())
+def softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, log: bool, backend: str) -> torch.Tensor:
+    return _backward(y, dy, log, backend)
+
+
+@softmax_backward_op.register_fake
+def _(y, dy, log, backend):
+    return torch.empty_like(y)
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.log, ctx.backend = inputs
+    ctx.save_for_backward(output)
+
+
+def _op_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return softmax_backward_op(y, dy.contiguous(), ctx.log, ctx.backend), None, None
+
+
+softmax_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# -- autograd Function, the eager path (no custom-op dispatch cost)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log, backend):
+        y = _forward(x, log, backend)
+        ctx.log, ctx.backend = log, backend
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return _backward(y, dy, ctx.log, ctx.backend), None, None
+
+
+def _apply(x, dim, dtype, backend, log):
+    _validate.floating(x, "x")
+    dtype = _validate.float_dtype(dtype)
+    dim = _validate.dim(dim, x.ndim)
+    if dtype is not None:
+        x = x.to(dtype)
+    if x.ndim == 0:
+        return _apply(x.reshape(1), 0, None, backend, log).reshape(())
+    name = resolve(x.device, x.dtype, backend).name
+    rows = x.movedim(dim, -1)
+    if rows.numel() == 0:
+        return torch.empty_like(x)
+    rows_2d = rows.reshape(-1, rows.shape[-1]).contiguous()
+    if torch.compiler.is_compiling():
+        y = softmax_forward_op(rows_2d, log, name)
+    else:
+        y = _Softmax.apply(rows_2d, log, name)
+    return y.view(rows.shape).movedim(-1, dim)
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
+            backend: str | None = None) -> torch.Tensor:
+    """Softmax of ``x`` along ``dim``, like ``torch.softmax``; differentiable.
+
+    ``dtype`` casts ``x`` first; ``backend`` picks the implementation (see
+    ``multisoft.use_backend``). Arithmetic is float32 for 16-bit inputs.
+    """
+    return _apply(x, dim, dtype, backend, log=False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
+                backend: str | None = None) -> torch.Tensor:
+    """Log-softmax of ``x`` along ``dim``, like ``torch.log_softmax``; differentiable."""
+    return _apply(x, dim, dtype, backend, log=True)

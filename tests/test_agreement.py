@@ -1,0 +1,224 @@
+"""Every op, forward and backward, on every available backend, against a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multisoft
+from harness import (DEVICE, DTYPES, ON_GPU, assert_close, backends_under_test, reference_blocksparse,
+                     reference_blocksparse_backward, reference_cross_entropy, reference_softmax,
+                     reference_softmax_backward, simulated)
+
+BACKENDS = backends_under_test()
+
+
+on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
+
+
+def _skip_big(backend, numel, limit=300_000):
+    if simulated(backend) and numel > limit:
+        pytest.skip("too large for the CPU interpreter/simulator")
+
+
+# -- softmax / log_softmax
+
+SOFTMAX_SHAPES = [
+    (1, 1), (3, 1), (1, 7), (5, 130), (33, 1000), (2, 4097), (2, 70_000),
+    (64, 1023), (4, 32_768), (2, 131_072), (2, 262_144), (3, 1_048_576),
+]
+
+
+@pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@on_each_backend
+def test_softmax(backend, log, dtype, shape):
+    _skip_big(backend, shape[0] * shape[1])
+    x = (torch.randn(shape, device=DEVICE) * 3).to(dtype).requires_grad_()
+    op = multisoft.log_softmax if log else multisoft.softmax
+    y = op(x, -1, backend=backend)
+    assert y.dtype == dtype and y.shape == x.shape
+    expected = reference_softmax(x, -1, log)
+    assert_close(y, expected, dtype, "forward")
+    dy = torch.randn(shape, device=DEVICE).to(dtype)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert_close(dx, reference_softmax_backward(y, dy, -1, log), dtype, "backward")
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@on_each_backend
+def test_softmax_non_contiguous_and_other_dims(backend, log):
+    op = multisoft.log_softmax if log else multisoft.softmax
+    x = torch.randn(6, 50, 9, device=DEVICE, requires_grad=True)
+    for dim in (0, 1, -1):
+        y = op(x, dim, backend=backend)
+        assert_close(y, reference_softmax(x, dim, log), torch.float32, f"dim={dim}")
+    t = torch.randn(40, 30, device=DEVICE).t()
+    assert not t.is_contiguous()
+    assert_close(op(t, -1, backend=backend), reference_softmax(t, -1, log), torch.float32, "transposed")
+    s = torch.randn(20, 64, device=DEVICE)[:, ::2]
+    assert_close(op(s, -1, backend=backend), reference_softmax(s, -1, log), torch.float32, "strided")
+    dy = torch.randn(6, 50, 9, device=DEVICE)
+    y = op(x, 1, backend=backend)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert_close(dx, reference_softmax_backward(y, dy, 1, log), torch.float32, "backward dim=1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@on_each_backend
+def test_softmax_infinities(backend, log, dtype):
+    n = 3000
+    x = torch.randn(5, n, device=DEVICE).to(dtype)
+    x[0, ::3] = float("-inf")           # some entries -inf
+    x[1, 1:] = float("-inf")            # one finite entry
+    x[2] = float("-inf")                # all -inf: NaN, like torch
+    x[3, 10] = 60000.0 if dtype == torch.float16 else 1e30  # one huge entry
+    x = x.requires_grad_()
+    op = multisoft.log_softmax if log else multisoft.softmax
+    y = op(x, backend=backend)
+    assert_close(y, reference_softmax(x, -1, log), dtype, "forward")
+    dy = torch.randn(5, n, device=DEVICE).to(dtype)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    finite = [0, 1, 3, 4]
+    assert_close(dx[finite], reference_softmax_backward(y, dy, -1, log)[finite], dtype, "backward")
+
+
+# -- cross_entropy
+
+CE_CASES = {
+    "1x1": dict(shape=(1, 1)),
+    "1d": dict(shape=(17,)),
+    "5x7": dict(shape=(5, 7)),
+    "37x1000-int32": dict(shape=(37, 1000), target_dtype=torch.int32),
+    "33x1000-weight-smooth": dict(shape=(33, 1000), weight=True, label_smoothing=0.1),
+    "20x513-ignore": dict(shape=(20, 513), ignore=0.3),
+    "20x513-ignore-idx3": dict(shape=(20, 513), ignore=0.3, ignore_index=3, weight=True),
+    "8x300-all-ignored": dict(shape=(8, 300), ignore=1.0),
+    "3x40x5-spatial": dict(shape=(3, 40, 5), weight=True, label_smoothing=0.2),
+    "4x70000": dict(shape=(4, 70_000), label_smoothing=0.05),
+    "2x131072": dict(shape=(2, 131_072), weight=True),
+    "64x32000": dict(shape=(64, 32_000), ignore=0.1),
+    "16x262144": dict(shape=(16, 262_144), label_smoothing=0.1),
+    "smooth-1.0": dict(shape=(6, 100), label_smoothing=1.0, weight=True),
+}
+
+
+def _ce_inputs(shape, dtype, target_dtype=torch.int64, weight=False, ignore=0.0, ignore_index=-100, **_):
+    classes = shape[1] if len(shape) >= 2 else shape[0]
+    logits = (torch.randn(shape, device=DEVICE) * 2).to(dtype).requires_grad_()
+    target_shape = shape[:1] + shape[2:] if len(shape) >= 2 else ()
+    target = torch.randint(0, classes, target_shape, device=DEVICE)
+    if ignore:
+        target = torch.where(torch.rand(target_shape, device=DEVICE) < ignore, ignore_index, target)
+    w = torch.rand(classes, device=DEVICE) + 0.5 if weight else None
+    return logits, target.to(target_dtype), w
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", list(CE_CASES), ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@on_each_backend
+def test_cross_entropy(backend, dtype, case, reduction):
+    spec = CE_CASES[case]
+    _skip_big(backend, int(torch.tensor(spec["shape"]).prod()))
+    logits, target, weight = _ce_inputs(dtype=dtype, **spec)
+    kwargs = dict(weight=weight, ignore_index=spec.get("ignore_index", -100), reduction=reduction,
+                  label_smoothing=spec.get("label_smoothing", 0.0))
+    loss = multisoft.cross_entropy(logits, target, backend=backend, **kwargs)
+    logits64 = logits.detach().double().requires_grad_()
+    expected = reference_cross_entropy(logits64, target, **kwargs)
+    assert loss.dtype == dtype
+    assert_close(loss, expected, dtype, "loss")
+    grad_out = torch.rand_like(expected) + 0.5
+    (grad,) = torch.autograd.grad(loss, logits, grad_out.to(dtype))
+    (grad_expected,) = torch.autograd.grad(expected, logits64, grad_out.to(dtype).double())
+    assert_close(grad, grad_expected, dtype, "gradient")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@on_each_backend
+def test_cross_entropy_inplace_backward(backend, dtype):
+    logits, target, weight = _ce_inputs((24, 3000), dtype, weight=True, ignore=0.2)
+    expected_logits = logits.detach().double().requires_grad_()
+    expected = reference_cross_entropy(expected_logits, target, weight=weight, label_smoothing=0.1)
+    expected.backward()
+    buffer = logits.detach().clone().requires_grad_()
+    loss = multisoft.cross_entropy(buffer, target, weight=weight, label_smoothing=0.1, backend=backend,
+                                   inplace_backward=True)
+    assert_close(loss, expected, dtype, "loss")
+    loss.backward()
+    assert_close(buffer.grad, expected_logits.grad, dtype, "gradient")
+    assert buffer.grad.data_ptr() == buffer.data_ptr(), "the gradient must live in the logits buffer"
+    # a non-unit incoming gradient rescales the stored one
+    buffer = logits.detach().clone().requires_grad_()
+    (3.0 * multisoft.cross_entropy(buffer, target, weight=weight, label_smoothing=0.1, backend=backend,
+                                   inplace_backward=True)).backward()
+    assert_close(buffer.grad, 3.0 * expected_logits.grad, dtype, "gradient x3")
+
+
+@on_each_backend
+def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend):
+    """Targets outside [0, C): the reference raises; a GPU backend raises or gives NaN, in bounds."""
+    classes = 1000
+    logits = torch.randn(6, classes, device=DEVICE, requires_grad=True)
+    target = torch.tensor([0, classes, -1, 10**9, -(10**9), 5], device=DEVICE)
+    try:
+        loss = multisoft.cross_entropy(logits, target, reduction="none", backend=backend)
+    except ValueError as error:
+        assert "target" in str(error)
+        return
+    if ON_GPU:
+        torch.cuda.synchronize()
+    assert torch.isnan(loss[1:5]).all(), loss
+    valid = torch.tensor([0, 5])
+    expected = reference_cross_entropy(logits[valid].detach(), target[valid], reduction="none")
+    assert_close(loss[valid], expected, torch.float32, "valid rows")
+
+
+# -- block-sparse softmax
+
+
+def _layout(heads, block_rows, block_cols, density, empty_row=True, upper_only_row=True):
+    layout = (torch.rand(heads, block_rows, block_cols) < density).long()
+    layout[:, :, 0] = 1
+    if empty_row and block_rows > 1:
+        layout[0, 1] = 0                     # a block-row with no blocks
+    if upper_only_row and block_rows > 2 and block_cols > 3:
+        layout[-1, 2] = 0
+        layout[-1, 2, 3] = 1                 # only above the diagonal: fully masked when causal
+    return layout
+
+
+BLOCKSPARSE_CASES = {
+    "b16-small": dict(block=16, heads=2, block_rows=4, block_cols=4, density=0.5, z=2),
+    "b16-wide": dict(block=16, heads=1, block_rows=3, block_cols=80, density=0.6, z=1),
+    "b32": dict(block=32, heads=2, block_rows=6, block_cols=6, density=0.5, z=2),
+    "b64": dict(block=64, heads=3, block_rows=8, block_cols=8, density=0.4, z=2),
+    "b128": dict(block=128, heads=2, block_rows=8, block_cols=8, density=0.3, z=2),
+    "b16-very-wide": dict(block=16, heads=1, block_rows=2, block_cols=4096, density=0.9, z=1),
+}
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(BLOCKSPARSE_CASES), ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@on_each_backend
+def test_blocksparse_softmax(backend, dtype, case, is_causal):
+    spec = BLOCKSPARSE_CASES[case]
+    block = spec["block"]
+    layout = _layout(spec["heads"], spec["block_rows"], spec["block_cols"], spec["density"])
+    nnz = int(layout.sum())
+    _skip_big(backend, spec["z"] * nnz * block * block, limit=70_000)
+    x = (torch.randn(spec["z"], nnz, block, block, device=DEVICE) * 2).to(dtype).requires_grad_()
+    scale = 0.7
+    y = multisoft.blocksparse_softmax(x, layout, block, scale=scale, is_causal=is_causal, backend=backend)
+    expected = reference_blocksparse(x.detach(), layout, block, scale, is_causal)
+    assert_close(y, expected, dtype, "forward")
+    dy = torch.randn_like(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    dx_expected = reference_blocksparse_backward(y, dy, layout, block, scale)
+    assert_close(dx, dx_expected, dtype, "backward")
+    dx_direct = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=scale, backend=backend)
+    assert_close(dx_direct, dx_expected, dtype, "blocksparse_softmax_backward")
