@@ -7,15 +7,15 @@ kernel framework is imported until a backend runs.
 
 from . import nn
 from ._registry import BackendUnavailableError, available_backends, use_backend
-from .blocksparse import (
+from ._blocksparse import (
     BlockSparseLUT,
     blocksparse_from_dense,
     blocksparse_softmax,
     blocksparse_softmax_backward,
     blocksparse_to_dense,
 )
-from .cross_entropy import cross_entropy
-from .softmax import log_softmax, softmax
+from ._cross_entropy import cross_entropy
+from ._softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 

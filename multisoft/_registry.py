@@ -183,6 +183,16 @@ def resolve(device: torch.device, dtype: torch.dtype, backend: str | None = None
     raise BackendUnavailableError(f"no installed backend can run on {device} with {dtype}")
 
 
+def resolve_name(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> str:
+    """``resolve(...).name``; under torch.compile it runs once, at trace time, as a constant."""
+    return resolve(device, dtype, backend).name
+
+
+# What torch.compiler.assume_constant_result(resolve_name) does, without importing torch._dynamo (and
+# with it triton) at import time; test_torch_compile_fullgraph_no_graph_break guards it.
+resolve_name._dynamo_marked_constant = True
+
+
 def available_backends(op: str | None = None) -> list[str]:
     """Backends installed here that can run on this machine's default device, best first."""
     if op is not None and op not in OPS:

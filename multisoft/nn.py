@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .cross_entropy import cross_entropy
-from .softmax import log_softmax, softmax
+from ._cross_entropy import cross_entropy
+from ._softmax import log_softmax, softmax
 
 
 class Softmax(torch.nn.Module):

@@ -1,9 +1,11 @@
 """Test configuration.
 
-``--simulate`` runs the GPU backends on the CPU: it sets TRITON_INTERPRET=1 and
-NUMBA_ENABLE_CUDASIM=1 here, before any test imports those frameworks (the
-library itself never sets them). ``MULTISOFT_TEST_BACKENDS=a,b`` limits the
-agreement harness to those backends.
+Without a CUDA device the GPU backends still run, on the CPU: Triton under its
+interpreter and numba under its CUDA simulator. This file sets
+TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 for that, before any test imports
+those frameworks (the library itself never sets them); ``--no-simulate`` turns
+it off. ``MULTISOFT_TEST_BACKENDS=a,b`` limits the agreement harness to those
+backends.
 """
 
 import os
@@ -12,15 +14,19 @@ import pytest
 import torch
 
 
+SIMULATION_VARIABLES = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
+
+
 def pytest_addoption(parser):
-    parser.addoption("--simulate", action="store_true",
-                     help="run Triton under its interpreter and numba under its CUDA simulator, on the CPU")
+    parser.addoption("--no-simulate", action="store_true",
+                     help="without a GPU, do not run Triton's interpreter and numba's CUDA simulator")
+    parser.addoption("--simulate", action="store_true", help="the default without a GPU (kept for old scripts)")
 
 
 def pytest_configure(config):
-    if config.getoption("--simulate"):
-        os.environ["TRITON_INTERPRET"] = "1"
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    if not config.getoption("--no-simulate") and not torch.cuda.is_available():
+        for name, value in SIMULATION_VARIABLES.items():
+            os.environ.setdefault(name, value)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _validate
-from ._registry import get_backend, resolve
+from ._registry import get_backend, resolve_name
 
 BLOCKS = (16, 32, 64, 128)
 
@@ -37,13 +37,6 @@ class BlockSparseLUT:
     columns: torch.Tensor
     rows: torch.Tensor
 
-    def dims(self) -> list[int]:
-        return [self.block, self.heads, self.block_rows, self.block_cols, self.max_blocks]
-
-    @classmethod
-    def from_parts(cls, offsets, columns, rows, dims):
-        block, heads, block_rows, block_cols, max_blocks = dims
-        return cls(block, heads, block_rows, block_cols, columns.numel(), max_blocks, offsets, columns, rows)
 
 
 # id(layout) -> (weak reference to layout, {(version, block, device): lut}); entries leave with their layout.
@@ -113,40 +106,47 @@ def _backward(y, dy, lut, scale, backend):
     return dx
 
 
-# -- torch.library ops, used under torch.compile
+# -- torch.library ops, used under torch.compile: they take the layout and build (or find) the
+#    look-up table when they run, so tracing never touches host data.
+
+
+def _runtime_lut(blocks: torch.Tensor, name: str, layout: torch.Tensor, block: int) -> BlockSparseLUT:
+    lut = lookup_table(layout, block, blocks.device)
+    _check_blocks(blocks, name, lut)
+    return lut
 
 
 @torch.library.custom_op("multisoft::blocksparse_forward", mutates_args=())
-def blocksparse_forward_op(x: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor, rows: torch.Tensor,
-                           dims: list[int], scale: float, is_causal: bool, backend: str) -> torch.Tensor:
-    return _forward(x, BlockSparseLUT.from_parts(offsets, columns, rows, dims), scale, is_causal, backend)
+def blocksparse_forward_op(x: torch.Tensor, layout: torch.Tensor, block: int, scale: float, is_causal: bool,
+                           backend: str) -> torch.Tensor:
+    return _forward(x, _runtime_lut(x, "x", layout, block), scale, is_causal, backend)
 
 
 @blocksparse_forward_op.register_fake
-def _(x, offsets, columns, rows, dims, scale, is_causal, backend):
+def _(x, layout, block, scale, is_causal, backend):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("multisoft::blocksparse_backward", mutates_args=())
-def blocksparse_backward_op(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, columns: torch.Tensor,
-                            rows: torch.Tensor, dims: list[int], scale: float, backend: str) -> torch.Tensor:
-    return _backward(y, dy, BlockSparseLUT.from_parts(offsets, columns, rows, dims), scale, backend)
+def blocksparse_backward_op(y: torch.Tensor, dy: torch.Tensor, layout: torch.Tensor, block: int, scale: float,
+                            backend: str) -> torch.Tensor:
+    return _backward(y, dy, _runtime_lut(y, "y", layout, block), scale, backend)
 
 
 @blocksparse_backward_op.register_fake
-def _(y, dy, offsets, columns, rows, dims, scale, backend):
+def _(y, dy, layout, block, scale, backend):
     return torch.empty_like(y)
 
 
 def _setup_context(ctx, inputs, output):
-    _, offsets, columns, rows, ctx.dims, ctx.scale, _, ctx.backend = inputs
-    ctx.save_for_backward(output, offsets, columns, rows)
+    _, layout, ctx.block, ctx.scale, _, ctx.backend = inputs
+    ctx.save_for_backward(output, layout)
 
 
 def _op_backward(ctx, dy):
-    y, offsets, columns, rows = ctx.saved_tensors
-    dx = blocksparse_backward_op(y, dy.contiguous(), offsets, columns, rows, ctx.dims, ctx.scale, ctx.backend)
-    return dx, None, None, None, None, None, None, None
+    y, layout = ctx.saved_tensors
+    dx = blocksparse_backward_op(y, dy.contiguous(), layout, ctx.block, ctx.scale, ctx.backend)
+    return dx, None, None, None, None, None
 
 
 blocksparse_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -187,17 +187,18 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor, block: int, *, sc
     has the same format. ``is_causal`` masks every absolute column greater than
     the row; a row with nothing unmasked gives zeros.
     """
-    _validate.tensor(x, "x")
-    lut = lookup_table(layout, block, x.device)
-    _check_blocks(x, "x", lut)
+    _validate.floating(x, "x")
     scale = _validate.real(scale, "scale")
     is_causal = _validate.boolean(is_causal, "is_causal")
-    name = resolve(x.device, x.dtype, backend).name
+    name = resolve_name(x.device, x.dtype, backend)
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        _validate.tensor(layout, "layout")
+        return blocksparse_forward_op(x, layout, _check_block(block), scale, is_causal, name)
+    lut = lookup_table(layout, block, x.device)
+    _check_blocks(x, "x", lut)
     if x.numel() == 0:
         return torch.empty_like(x)
-    if torch.compiler.is_compiling():
-        return blocksparse_forward_op(x, lut.offsets, lut.columns, lut.rows, lut.dims(), scale, is_causal, name)
     return _BlockSparseSoftmax.apply(x, lut, scale, is_causal, name)
 
 
@@ -215,7 +216,7 @@ def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torc
     if dy.shape != y.shape:
         raise ValueError(f"dy must have y's shape {tuple(y.shape)}, got {tuple(dy.shape)}")
     scale = _validate.real(scale, "scale")
-    name = resolve(y.device, y.dtype, backend).name
+    name = resolve_name(y.device, y.dtype, backend)
     y = y.contiguous()
     if y.numel() == 0:
         return torch.empty_like(y)

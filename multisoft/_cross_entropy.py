@@ -11,17 +11,22 @@ from typing import Optional
 import torch
 
 from . import _validate
-from ._registry import get_backend, resolve
+from ._registry import get_backend, resolve_name
 
 REDUCTIONS = ("none", "mean", "sum")
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Per-row losses and log-sum-exps: float32, or float64 for float64 logits."""
+    return torch.promote_types(dtype, torch.float32)
+
 
 # -- the kernels of one backend on (M, C) rows, into torch-allocated outputs
 
 
 def _forward(logits, target, weight, ignore_index, label_smoothing, backend):
-    rows = logits.shape[0]
-    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
+    loss = torch.empty(rows, dtype=dtype, device=logits.device)
+    lse = torch.empty(rows, dtype=dtype, device=logits.device)
     get_backend(backend).kernels("cross_entropy").forward(
         logits, target, weight, loss, lse, ignore_index, label_smoothing)
     return loss, lse
@@ -32,7 +37,7 @@ def _backward(logits, target, weight, weight_sum, lse, grad_loss, ignore_index, 
     if grad_logits is None:
         grad_logits = torch.empty_like(logits)
     get_backend(backend).kernels("cross_entropy").backward(
-        logits, target, weight, weight_sum, lse, grad_loss.float().contiguous(), grad_logits,
+        logits, target, weight, weight_sum, lse, grad_loss.to(lse.dtype).contiguous(), grad_logits,
         ignore_index, label_smoothing)
     return grad_logits
 
@@ -49,8 +54,8 @@ def cross_entropy_forward_op(logits: torch.Tensor, target: torch.Tensor, weight:
 
 @cross_entropy_forward_op.register_fake
 def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, backend):
-    rows = logits.shape[0]
-    return logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=torch.float32)
+    rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
+    return logits.new_empty(rows, dtype=dtype), logits.new_empty(rows, dtype=dtype)
 
 
 @torch.library.custom_op("multisoft::cross_entropy_backward", mutates_args=())
@@ -168,24 +173,24 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
     else:
         rows_2d = logits.movedim(1, -1).reshape(-1, classes)
         flat_target = target.reshape(-1)
-    backend = resolve(logits.device, logits.dtype, backend).name
+    backend = resolve_name(logits.device, logits.dtype, backend)
     rows_2d = rows_2d.contiguous()
     flat_target = flat_target.contiguous()
     valid = flat_target != ignore_index
-    weight32 = weight.float().contiguous() if weight is not None else None
+    weight32 = weight.to(_stats_dtype(logits.dtype)).contiguous() if weight is not None else None
     weight_sum = weight32.sum().reshape(1) if weight is not None else None
     if reduction == "mean":
         if weight32 is None:
-            denominator = valid.sum().float()
+            denominator = valid.sum().to(_stats_dtype(logits.dtype))
         else:
             denominator = (weight32[flat_target.clamp(0, max(classes - 1, 0)).long()] * valid).sum()
     if rows_2d.numel() == 0:
-        per_row = rows_2d.sum(-1).float()
+        per_row = rows_2d.sum(-1).to(_stats_dtype(logits.dtype))
     elif inplace_backward and not torch.compiler.is_compiling():
         if reduction == "mean":
             expected = (1.0 / denominator).expand(rows_2d.shape[0]).contiguous()
         else:
-            expected = torch.ones(rows_2d.shape[0], dtype=torch.float32, device=logits.device)
+            expected = torch.ones(rows_2d.shape[0], dtype=_stats_dtype(logits.dtype), device=logits.device)
         per_row = _CrossEntropyInPlace.apply(rows_2d, flat_target, weight32, weight_sum, ignore_index,
                                              label_smoothing, backend, expected)
     elif torch.compiler.is_compiling():

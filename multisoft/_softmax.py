@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate
-from ._registry import get_backend, resolve
+from ._registry import get_backend, resolve_name
 
 # -- the kernels of one backend on 2-D contiguous rows, into torch-allocated outputs
 
@@ -84,7 +84,7 @@ def _apply(x, dim, dtype, backend, log):
         x = x.to(dtype)
     if x.ndim == 0:
         return _apply(x.reshape(1), 0, None, backend, log).reshape(())
-    name = resolve(x.device, x.dtype, backend).name
+    name = resolve_name(x.device, x.dtype, backend)
     rows = x.movedim(dim, -1)
     if rows.numel() == 0:
         return torch.empty_like(x)

@@ -1,0 +1,985 @@
+"""``python -m multisoft bench``: every op on every backend, against the copy bandwidth.
+
+Times forward, backward and forward+backward of softmax, log_softmax,
+cross_entropy and blocksparse_softmax on each backend that can run here, next
+to torch's own ops and Liger-Kernel's (when importable), with CUDA events
+(``triton.testing.do_bench``, median, L2 cleared between repetitions). Each
+result is given in GB/s and as a fraction of a device-to-device copy measured
+in the same run. Also: peak memory of cross-entropy forward+backward, the first
+(compiling) call of each backend, and the host overhead of the front. Writes
+CSV files, ``results.md`` and PNG plots (see ``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib.metadata
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+OPS = ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax")
+OP_ALIASES = {"blocksparse": "blocksparse_softmax", "ce": "cross_entropy"}
+KERNEL_MODULE = {"softmax": "softmax", "log_softmax": "softmax", "cross_entropy": "cross_entropy",
+                 "blocksparse_softmax": "blocksparse"}
+DIRECTIONS = ("forward", "backward", "forward+backward")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Bytes moved per input element: softmax reads x and writes y (2), its backward reads y, dy and
+# writes dx (3); cross-entropy reads the logits (1), its backward reads them and writes the gradient (2).
+TRAFFIC = {
+    "softmax": {"forward": 2, "backward": 3, "forward+backward": 5},
+    "log_softmax": {"forward": 2, "backward": 3, "forward+backward": 5},
+    "blocksparse_softmax": {"forward": 2, "backward": 3, "forward+backward": 5},
+    "cross_entropy": {"forward": 1, "backward": 2, "forward+backward": 3},
+}
+
+HEADLINE = [(32768, 1024), (16384, 4096), (4096, 32768), (1024, 131072), (512, 262144)]
+CROSS_ENTROPY = [(8192, 32000), (8192, 128256), (4096, 262144)]
+SWEEP_ELEMENTS = 1 << 26
+SWEEP_COLS = [1 << k for k in range(8, 21)]
+HEADS, SEQ, SCALE = 16, 4096, 0.125
+LAYOUTS = ([(block, 0.25, causal) for block in (16, 32, 64, 128) for causal in (False, True)]
+           + [(64, density, causal) for density in (0.10, 0.50) for causal in (False, True)])
+
+QUICK_HEADLINE = [(16384, 4096), (1024, 131072)]
+QUICK_SWEEP_COLS = [1024, 32768, 1 << 20]
+QUICK_CROSS_ENTROPY = [(8192, 32000)]
+QUICK_LAYOUTS = [(64, 0.25, False), (64, 0.25, True)]
+
+TORCH_PEER = "torch-native"
+LIGER_PEER = "liger"
+COPY_BYTES = 1 << 30
+NO_GPU_MESSAGE = "multisoft bench: no CUDA device found; the benchmark needs one (nothing was run)."
+DEVICE = "cuda"  # the tests' dry run sets "cpu"
+
+
+# -- records
+
+
+@dataclasses.dataclass
+class Timing:
+    op: str
+    impl: str
+    role: str  # "backend", "peer" or "copy"
+    dtype: str
+    group: str  # "headline", "sweep", "headline,sweep" or "layout"
+    shape: str
+    n: int  # row length, for the sweep plots (0 for block-sparse)
+    direction: str
+    ms: float | None = None
+    bytes: int = 0
+    gb_per_s: float | None = None
+    fraction_of_copy: float | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass
+class MemoryRecord:
+    impl: str
+    dtype: str
+    shape: str
+    peak_mib: float | None
+    logits_mib: float
+    note: str = ""
+
+
+@dataclasses.dataclass
+class FirstCall:
+    impl: str
+    op: str
+    direction: str
+    dtype: str
+    shape: str
+    first_call_ms: float
+    steady_ms: float | None = None
+
+
+@dataclasses.dataclass
+class Overhead:
+    impl: str
+    api_us: float | None
+    direct_us: float | None
+    note: str = ""
+
+    @property
+    def difference_us(self) -> float | None:
+        if self.api_us is None or self.direct_us is None:
+            return None
+        return self.api_us - self.direct_us
+
+
+@dataclasses.dataclass
+class Results:
+    environment: dict
+    copy_gb_per_s: float | None
+    timings: list[Timing] = dataclasses.field(default_factory=list)
+    memory: list[MemoryRecord] = dataclasses.field(default_factory=list)
+    first_calls: list[FirstCall] = dataclasses.field(default_factory=list)
+    overhead: list[Overhead] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Case:
+    """One input of one op: a dense (M, N) shape or a block-sparse layout."""
+
+    op: str
+    group: str
+    label: str
+    shape: tuple
+    elements: int
+    n: int = 0
+    layout: object = None  # block-sparse: the (H, Mb, Nb) layout tensor
+    block: int = 0
+    causal: bool = False
+
+
+# -- pure arithmetic and planning
+
+
+def bytes_moved(op: str, direction: str, elements: int, element_size: int) -> int:
+    """The bytes an op must read and write for ``elements`` input elements (see TRAFFIC)."""
+    return TRAFFIC[op][direction] * elements * element_size
+
+
+def gb_per_s(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e6)
+
+
+def sweep_shapes(cols: list[int]) -> list[tuple[int, int]]:
+    """(M, N) for each N with M * N = SWEEP_ELEMENTS (64M elements)."""
+    return [(max(1, SWEEP_ELEMENTS // n), n) for n in cols]
+
+
+def dense_cases(op: str, headline: list, sweep: list) -> list[Case]:
+    """The headline shapes, then the sweep's other shapes; a shape in both is measured once."""
+    cases = []
+    for rows, cols in dict.fromkeys(headline + sweep):
+        group = ",".join(name for name, shapes in (("headline", headline), ("sweep", sweep))
+                         if (rows, cols) in shapes)
+        cases.append(Case(op, group, f"{rows}x{cols}", (rows, cols), rows * cols, n=cols))
+    return cases
+
+
+def make_layout(block: int, density: float, causal: bool, heads: int, seq: int, seed: int = 0):
+    """A random 0/1 layout (heads, seq/block, seq/block) of about ``density`` of all blocks, diagonal kept.
+
+    A causal layout draws its blocks from the lower triangle only, so that it
+    also keeps about ``density`` of the full grid.
+    """
+    import torch
+
+    blocks = seq // block
+    generator = torch.Generator().manual_seed(seed)
+    chance = min(1.0, 2 * density) if causal else density
+    layout = torch.rand(heads, blocks, blocks, generator=generator) < chance
+    layout |= torch.eye(blocks, dtype=torch.bool)
+    if causal:
+        layout &= torch.ones(blocks, blocks, dtype=torch.bool).tril()
+    return layout.to(torch.int64)
+
+
+def blocksparse_cases(layouts: list) -> list[Case]:
+    """One case per (block, density, causal), with Z (1..4) chosen for 64M+ elements."""
+    cases = []
+    for seed, (block, density, causal) in enumerate(layouts):
+        layout = make_layout(block, density, causal, HEADS, SEQ, seed=seed)
+        nnz = int(layout.sum())
+        per_batch = nnz * block * block
+        batch = max(1, min(4, math.ceil(SWEEP_ELEMENTS / per_batch)))
+        actual = nnz / layout.numel()
+        label = f"b{block} {actual:.0%}{' causal' if causal else ''} Z{batch}"
+        cases.append(Case("blocksparse_softmax", "layout", label, (batch, nnz, block, block), batch * per_batch,
+                          layout=layout, block=block, causal=causal))
+    return cases
+
+
+def plan_cases(ops: list[str], quick: bool) -> dict[str, list[Case]]:
+    headline = QUICK_HEADLINE if quick else HEADLINE
+    sweep = sweep_shapes(QUICK_SWEEP_COLS if quick else SWEEP_COLS)
+    plan = {}
+    for op in ops:
+        if op in ("softmax", "log_softmax"):
+            plan[op] = dense_cases(op, headline, sweep)
+        elif op == "cross_entropy":
+            shapes = QUICK_CROSS_ENTROPY if quick else CROSS_ENTROPY
+            plan[op] = dense_cases(op, shapes, [])
+        else:
+            plan[op] = blocksparse_cases(QUICK_LAYOUTS if quick else LAYOUTS)
+    return plan
+
+
+# -- the command line
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m multisoft bench",
+        description="Time every op on every backend (and torch / Liger-Kernel as peers) against the copy "
+                    "bandwidth; write CSV, Markdown and PNG plots. Needs a CUDA GPU.")
+    parser.add_argument("--out", default="benchmarks/results", help="output folder (default: %(default)s)")
+    parser.add_argument("--ops", help=f"comma-separated ops (default: all of {', '.join(OPS)})")
+    parser.add_argument("--backends", help="comma-separated backends (default: all that can run here)")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated of fp32, bf16, fp16 "
+                                                              "(default: %(default)s)")
+    parser.add_argument("--fp16", action="store_true", help="also time float16")
+    parser.add_argument("--quick", action="store_true", help="a few shapes only: a fast smoke run")
+    parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    parser.add_argument("--no-peers", action="store_true", help="do not time torch's or Liger-Kernel's ops")
+    parser.add_argument("--warmup", type=float, help="do_bench warm-up in ms (default 10, --quick 5)")
+    parser.add_argument("--rep", type=float, help="do_bench repetition time in ms (default 40, --quick 20)")
+    args = parser.parse_args(argv)
+    args.ops = _choices(args.ops, OPS, OP_ALIASES, "op", parser) if args.ops else list(OPS)
+    args.dtypes = _choices(args.dtypes, tuple(DTYPES), DTYPE_ALIASES, "dtype", parser)
+    if args.fp16 and "fp16" not in args.dtypes:
+        args.dtypes.append("fp16")
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    if args.warmup is None:
+        args.warmup = 5.0 if args.quick else 10.0
+    if args.rep is None:
+        args.rep = 20.0 if args.quick else 40.0
+    return args
+
+
+def _choices(text: str, allowed: tuple, aliases: dict, what: str, parser) -> list[str]:
+    chosen = []
+    for item in (part.strip().lower() for part in text.split(",")):
+        if not item:
+            continue
+        item = aliases.get(item, item)
+        if item not in allowed:
+            parser.error(f"unknown {what} {item!r}; choose from {', '.join(allowed)}")
+        if item not in chosen:
+            chosen.append(item)
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 on success (also when there is no GPU: then it says so and does nothing)."""
+    try:
+        args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NO_GPU_MESSAGE)
+        return 0
+    results = run(args)
+    out = Path(args.out)
+    written = write_reports(results, out)
+    if not args.no_plots:
+        written += _write_plots(results, out)
+    print(f"copy bandwidth: {results.copy_gb_per_s:.0f} GB/s" if results.copy_gb_per_s else "copy bandwidth: n/a")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _write_plots(results: Results, out: Path) -> list[Path]:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install 'multisoft[bench]')", file=sys.stderr)
+        return []
+    from . import _plots
+
+    return _plots.write_plots(results, out)
+
+
+# -- progress
+
+
+class Progress:
+    """tqdm when importable, else a one-line bar on stderr."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+            return
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        elapsed = time.perf_counter() - self.start
+        line = f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
+        sys.stderr.write(line[:120].ljust(120))
+        sys.stderr.flush()
+
+    def note(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            sys.stderr.write("\r" + " " * 120 + "\r" + message + "\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# -- timing
+
+
+def make_timer(warmup: float, rep: float) -> tuple[Callable, str]:
+    """A function fn -> median milliseconds, and a description of how it times."""
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001 - a broken triton install must not stop the benchmark
+        def timer(fn):
+            return event_bench(fn, warmup, rep)
+        return timer, f"torch.cuda.Event (median, L2 cleared between reps, warmup {warmup:g} ms, rep {rep:g} ms)"
+
+    def timer(fn):
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return timer, f"triton.testing.do_bench (median, L2 cleared between reps, warmup {warmup:g} ms, rep {rep:g} ms)"
+
+
+def event_bench(fn: Callable, warmup: float, rep: float) -> float:
+    """do_bench without triton: warm up, then the median of CUDA-event times, L2 flushed before each."""
+    import torch
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    reps = max(1, int(rep / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for first, last in zip(starts, ends):
+        flush.zero_()
+        first.record()
+        fn()
+        last.record()
+    torch.cuda.synchronize()
+    return statistics.median(first.elapsed_time(last) for first, last in zip(starts, ends))
+
+
+def wall_us_per_call(fn: Callable, calls: int) -> float:
+    """Host wall-clock per call over ``calls`` calls, with one synchronize at the end."""
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _first_call_ms(fn: Callable) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def describe_error(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return "error: " + text[:240]
+
+
+# -- what is timed
+
+
+class NotMeasured(Exception):
+    """This implementation has no separate measurement for this direction (the message says why)."""
+
+
+@dataclasses.dataclass
+class Impl:
+    """A backend or a peer: ``make(op, inputs)`` gives the function x -> output (a loss for cross-entropy)."""
+
+    name: str
+    role: str
+    ops: tuple
+    make: Callable
+    inplace_ops: tuple = ()  # ops whose forward writes the gradient into x (no backward of their own)
+    inplace_note: str = ""
+
+
+def _backend_impl(name: str) -> Impl:
+    def make(op, inputs):
+        import multisoft
+
+        if op == "softmax":
+            return lambda x: multisoft.softmax(x, backend=name)
+        if op == "log_softmax":
+            return lambda x: multisoft.log_softmax(x, backend=name)
+        if op == "cross_entropy":
+            target = inputs["target"]
+            return lambda x: multisoft.cross_entropy(x, target, backend=name)
+        layout, block, causal = inputs["layout"], inputs["block"], inputs["causal"]
+        return lambda x: multisoft.blocksparse_softmax(x, layout, block, scale=SCALE, is_causal=causal,
+                                                       backend=name)
+    return Impl(name, "backend", OPS, make)
+
+
+def _inplace_impl(name: str) -> Impl:
+    def make(op, inputs):
+        import multisoft
+
+        target = inputs["target"]
+        return lambda x: multisoft.cross_entropy(x, target, backend=name, inplace_backward=True)
+    return Impl(f"{name} inplace", "backend", ("cross_entropy",), make, inplace_ops=("cross_entropy",),
+                inplace_note="inplace_backward computes the gradient in the forward")
+
+
+def _torch_peer() -> Impl:
+    def make(op, inputs):
+        import torch
+        import torch.nn.functional as F
+
+        if op == "softmax":
+            return lambda x: torch.softmax(x, -1)
+        if op == "log_softmax":
+            return lambda x: torch.log_softmax(x, -1)
+        target = inputs["target"]
+        return lambda x: F.cross_entropy(x, target)
+    return Impl(TORCH_PEER, "peer", ("softmax", "log_softmax", "cross_entropy"), make)
+
+
+def liger_peer() -> tuple[Impl | None, str]:
+    """Liger-Kernel's softmax and cross-entropy as a peer, or None and why not."""
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return None, "not installed"
+    ops, reasons = {}, []
+    try:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+    except Exception as error:  # noqa: BLE001 - any import failure just leaves the peer out
+        try:
+            from liger_kernel.transformers import LigerCrossEntropyLoss
+        except Exception:  # noqa: BLE001
+            reasons.append(f"cross-entropy: {describe_error(error)}")
+        else:
+            module = LigerCrossEntropyLoss()
+            ops["cross_entropy"] = lambda target: (lambda x: module(x, target))
+    else:
+        def cross_entropy(target):
+            def call(x):
+                out = LigerCrossEntropyFunction.apply(x, target, None)
+                return out[0] if isinstance(out, tuple) else out
+            return call
+        ops["cross_entropy"] = cross_entropy
+    try:
+        from liger_kernel.ops.softmax import LigerSoftmaxFunction
+    except Exception as error:  # noqa: BLE001
+        reasons.append(f"softmax: {describe_error(error)}")
+    else:
+        ops["softmax"] = lambda target: LigerSoftmaxFunction.apply
+    if not ops:
+        return None, f"{version}, not importable ({'; '.join(reasons)})"
+
+    def make(op, inputs):
+        return ops[op](inputs.get("target"))
+    note = f"{version}" + (f" ({'; '.join(reasons)})" if reasons else "")
+    return Impl(LIGER_PEER, "peer", tuple(ops), make, inplace_ops=("cross_entropy",),
+                inplace_note="Liger computes the gradient in its forward"), note
+
+
+def make_inputs(case: Case, dtype_name: str) -> dict:
+    import torch
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    x = torch.randn(case.shape, device=DEVICE, dtype=dtype)
+    inputs = {"x": x}
+    if case.op == "cross_entropy":
+        inputs["target"] = torch.randint(0, case.shape[1], (case.shape[0],), device=DEVICE)
+        inputs["grad"] = None
+    else:
+        inputs["grad"] = torch.randn_like(x)
+    if case.op == "blocksparse_softmax":
+        inputs.update(layout=case.layout, block=case.block, causal=case.causal)
+    return inputs
+
+
+def prepare(impl: Impl, op: str, direction: str, inputs: dict) -> Callable:
+    """The zero-argument call to time for one direction (the backward reuses one forward's graph)."""
+    import torch
+
+    f = impl.make(op, inputs)
+    x, grad = inputs["x"], inputs["grad"]
+    if direction == "forward":
+        return lambda: f(x)
+    inplace = op in impl.inplace_ops
+    if direction == "backward" and inplace:
+        raise NotMeasured(impl.inplace_note)
+    xg = (x.detach().clone() if inplace else x.detach()).requires_grad_(True)
+    if direction == "backward":
+        y = f(xg)
+        return lambda: torch.autograd.grad(y, xg, grad, retain_graph=True)
+    return lambda: torch.autograd.grad(f(xg), xg, grad)
+
+
+# -- the run
+
+
+class Runner:
+    """Holds what one run shares: the timer, the copy bandwidth, the records, the first calls seen."""
+
+    def __init__(self, args):
+        import torch
+
+        self.args = args
+        self.device = torch.device(DEVICE)
+        self.timer, self.timing_method = make_timer(args.warmup, args.rep)
+        self.seen_first: set = set()
+        self.failed_modules: dict = {}
+        self.progress: Progress | None = None
+
+    def skip_reason(self, impl: Impl, op: str, dtype_name: str) -> str:
+        """Why ``impl`` cannot run ``op`` in ``dtype_name`` here; "" when it can."""
+        if impl.role != "backend":
+            return ""
+        import torch
+
+        from ._registry import get_backend
+
+        name = impl.name.split()[0]
+        try:
+            backend = get_backend(name)
+            reason = backend.unavailable_reason(self.device, getattr(torch, DTYPES[dtype_name]))
+        except Exception as error:  # noqa: BLE001
+            return describe_error(error)
+        if reason:
+            return f"unavailable: {reason}"
+        key = (name, KERNEL_MODULE[op])
+        if key not in self.failed_modules:
+            try:
+                backend.kernels(KERNEL_MODULE[op])
+                self.failed_modules[key] = ""
+            except Exception as error:  # noqa: BLE001 - a backend still being written must not stop the run
+                self.failed_modules[key] = describe_error(error)
+                self.note(f"{name} {op}: {self.failed_modules[key]}")
+        return self.failed_modules[key]
+
+    def note(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress.note(message)
+        else:
+            print(message, file=sys.stderr)
+
+    def measure(self, impl: Impl, case: Case, dtype_name: str, inputs: dict, copy_gb_per_s: float | None,
+                results: Results, directions=DIRECTIONS) -> None:
+        import torch
+
+        skip = self.skip_reason(impl, case.op, dtype_name)
+        for direction in directions:
+            record = Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label, case.n, direction,
+                            bytes=bytes_moved(case.op, direction, case.elements, ELEMENT_SIZE[dtype_name]))
+            results.timings.append(record)
+            if skip:
+                record.note = skip
+                continue
+            first = None
+            try:
+                fn = prepare(impl, case.op, direction, inputs)
+                key = (impl.name, case.op, direction)
+                if direction != "forward+backward" and key not in self.seen_first:
+                    self.seen_first.add(key)
+                    first = FirstCall(impl.name, case.op, direction, dtype_name, case.label, _first_call_ms(fn))
+                    results.first_calls.append(first)
+                record.ms = self.timer(fn)
+            except NotMeasured as reason:
+                record.note = str(reason)
+            except Exception as error:  # noqa: BLE001 - record it (out of memory, a failing kernel) and go on
+                record.note = describe_error(error)
+                self.note(f"{impl.name} {case.op} {dtype_name} {case.label} {direction}: {record.note}")
+                _recover()
+            fn = None
+            if record.ms:
+                record.gb_per_s = gb_per_s(record.bytes, record.ms)
+                if copy_gb_per_s:
+                    record.fraction_of_copy = record.gb_per_s / copy_gb_per_s
+                if first is not None:
+                    first.steady_ms = record.ms
+
+
+def _recover() -> None:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a broken context is reported by the next measurements
+        pass
+
+
+def copy_ms(timer: Callable) -> float:
+    """Milliseconds of ``dst.copy_(src)`` over 1 GiB (bytes moved: 2 GiB, read + write)."""
+    import torch
+
+    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return ms
+
+
+def environment(backends: list[str], timing_method: str, liger_note: str) -> dict:
+    import torch
+
+    from ._registry import get_backend
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    env = {
+        "gpu": f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)",
+        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "timing": timing_method,
+        "liger": liger_note,
+    }
+    for name in backends:
+        try:
+            env[f"backend {name}"] = get_backend(name).version() or "not installed"
+        except Exception as error:  # noqa: BLE001
+            env[f"backend {name}"] = describe_error(error)
+    return env
+
+
+def choose_impls(args) -> tuple[list[str], list[Impl], str]:
+    import multisoft
+
+    from ._registry import get_backend
+
+    if args.backends is None:
+        backends = multisoft.available_backends()
+    else:
+        backends = []
+        for name in args.backends:
+            try:
+                get_backend(name)
+            except ValueError as error:
+                print(f"multisoft bench: {error}", file=sys.stderr)
+                continue
+            backends.append(name)
+    impls = [_backend_impl(name) for name in backends]
+    liger_note = "not timed (--no-peers)"
+    if not args.no_peers:
+        impls.append(_torch_peer())
+        liger, liger_note = liger_peer()
+        if liger is not None:
+            impls.append(liger)
+    return backends, impls, liger_note
+
+
+def run(args) -> Results:
+    import torch
+
+    torch.manual_seed(0)
+    runner = Runner(args)
+    backends, impls, liger_note = choose_impls(args)
+    results = Results(environment(backends, runner.timing_method, liger_note), None)
+    print(f"multisoft bench on {results.environment['gpu']}; backends: {', '.join(backends) or 'none'}; "
+          f"liger: {liger_note}", file=sys.stderr)
+    ms = copy_ms(runner.timer)
+    results.copy_gb_per_s = gb_per_s(2 * COPY_BYTES, ms)
+    results.timings.append(Timing("copy", "torch", "copy", "-", "copy", f"{COPY_BYTES >> 20} MiB", 0, "copy",
+                                  ms=ms, bytes=2 * COPY_BYTES, gb_per_s=results.copy_gb_per_s,
+                                  fraction_of_copy=1.0))
+    plan = plan_cases(args.ops, args.quick)
+    memory_cases = plan.get("cross_entropy", [])
+    inplace = [_inplace_impl(name) for name in backends]
+    peers_for_memory = [i for i in impls if i.role == "peer" and "cross_entropy" in i.ops]
+    total = sum(len(cases) * len([i for i in impls if op in i.ops]) for op, cases in plan.items())
+    total = total * len(args.dtypes) + len(memory_cases) * len(args.dtypes) * (
+        len(backends) * 2 + len(peers_for_memory))
+    runner.progress = Progress(total + 1)
+    try:
+        for op, cases in plan.items():
+            for dtype_name in args.dtypes:
+                for case in cases:
+                    _run_case(runner, impls, case, dtype_name, results)
+        for dtype_name in args.dtypes:
+            for case in memory_cases:
+                _run_memory(runner, [_backend_impl(n) for n in backends], inplace, peers_for_memory, case,
+                            dtype_name, results)
+        runner.progress.step("host overhead")
+        results.overhead = host_overhead(runner, backends)
+    finally:
+        runner.progress.close()
+    results.environment["copy bandwidth at the end"] = f"{gb_per_s(2 * COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"
+    return results
+
+
+def _run_case(runner: Runner, impls: list[Impl], case: Case, dtype_name: str, results: Results) -> None:
+    runnable = [impl for impl in impls if case.op in impl.ops]
+    try:
+        inputs = make_inputs(case, dtype_name)
+    except Exception as error:  # noqa: BLE001 - e.g. out of memory: every impl gets the note
+        note = describe_error(error)
+        _recover()
+        for impl in runnable:
+            runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
+            for direction in DIRECTIONS:
+                results.timings.append(Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label,
+                                              case.n, direction, note=note))
+        return
+    for impl in runnable:
+        runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
+        runner.measure(impl, case, dtype_name, inputs, results.copy_gb_per_s, results)
+    del inputs
+    _recover()
+
+
+def _run_memory(runner: Runner, backends: list[Impl], inplace: list[Impl], peers: list[Impl], case: Case,
+                dtype_name: str, results: Results) -> None:
+    """Peak memory of one cross-entropy forward+backward per impl; also times the inplace variants."""
+    import torch
+
+    try:
+        inputs = make_inputs(case, dtype_name)
+    except Exception as error:  # noqa: BLE001
+        _recover()
+        runner.note(f"memory {case.label} {dtype_name}: {describe_error(error)}")
+        return
+    logits_mib = inputs["x"].numel() * inputs["x"].element_size() / 2**20
+    for impl in backends + inplace + peers:
+        runner.progress.step(f"memory {dtype_name} {case.label} {impl.name}")
+        record = MemoryRecord(impl.name, dtype_name, case.label, None, logits_mib)
+        results.memory.append(record)
+        record.note = runner.skip_reason(impl, case.op, dtype_name)
+        if record.note:
+            continue
+        try:
+            f = impl.make(case.op, inputs)
+            x = inputs["x"].detach().clone().requires_grad_(True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = f(x)
+            (grad,) = torch.autograd.grad(loss, x)
+            torch.cuda.synchronize()
+            record.peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+            del loss, grad, x
+        except Exception as error:  # noqa: BLE001
+            record.note = describe_error(error)
+            _recover()
+        if impl in inplace:
+            runner.measure(impl, case, dtype_name, inputs, results.copy_gb_per_s, results,
+                           directions=("forward+backward",))
+    del inputs
+    _recover()
+
+
+def host_overhead(runner: Runner, backends: list[str], calls: int = 2000) -> list[Overhead]:
+    """Per-call wall time of multisoft.softmax vs the backend's kernel forward on a (4, 128) input."""
+    import torch
+
+    import multisoft
+
+    from ._registry import get_backend
+
+    x = torch.randn(4, 128, device=DEVICE)
+    out = torch.empty_like(x)
+    rows = []
+    for name in backends:
+        note = runner.skip_reason(_backend_impl(name), "softmax", "fp32")
+        if note:
+            rows.append(Overhead(name, None, None, note))
+            continue
+        try:
+            kernel = get_backend(name).kernels("softmax")
+            api = wall_us_per_call(lambda: multisoft.softmax(x, backend=name), calls)
+            direct = wall_us_per_call(lambda: kernel.forward(x, out, False), calls)
+            rows.append(Overhead(name, api, direct))
+        except Exception as error:  # noqa: BLE001
+            _recover()
+            rows.append(Overhead(name, None, None, describe_error(error)))
+    native = wall_us_per_call(lambda: torch.softmax(x, -1), calls)
+    rows.append(Overhead(TORCH_PEER, native, native, "torch.softmax, for reference"))
+    return rows
+
+
+# -- reports
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
+    """Every dataclass field (plus the ``extra`` properties) of ``rows`` as CSV columns."""
+    extra = extra or {}
+    names = [field.name for field in dataclasses.fields(rows[0])] if rows else []
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(names + list(extra))
+        for row in rows:
+            writer.writerow([_cell(getattr(row, name)) for name in names]
+                            + [_cell(getter(row)) for getter in extra.values()])
+    return path
+
+
+def write_reports(results: Results, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [write_csv(out / "timings.csv", results.timings)]
+    if results.memory:
+        paths.append(write_csv(out / "memory.csv", results.memory))
+    if results.first_calls:
+        paths.append(write_csv(out / "first_calls.csv", results.first_calls))
+    if results.overhead:
+        paths.append(write_csv(out / "overhead.csv", results.overhead,
+                               {"difference_us": lambda row: row.difference_us}))
+    markdown = out / "results.md"
+    markdown.write_text(markdown_report(results))
+    paths.append(markdown)
+    return paths
+
+
+def impl_order(timings: list[Timing]) -> list[str]:
+    """Backends first, then peers, each in the order they were run."""
+    backends = [t.impl for t in timings if t.role == "backend"]
+    peers = [t.impl for t in timings if t.role == "peer"]
+    return list(dict.fromkeys(backends + peers))
+
+
+def _fraction_cell(record: Timing | None, best: float | None) -> str:
+    if record is None or (record.ms is None and not record.note.startswith("error")):
+        return "—"
+    if record.ms is None:
+        return "error"
+    if record.fraction_of_copy is None:
+        return f"{record.gb_per_s:.0f} GB/s"
+    text = f"{record.fraction_of_copy:.2f}"
+    return f"**{text}**" if best is not None and record.fraction_of_copy == best else text
+
+
+def fraction_table(timings: list[Timing], direction: str) -> list[str]:
+    """Markdown rows: one per (shape, dtype), one column per impl, cells the fraction of copy."""
+    rows = [t for t in timings if t.direction == direction]
+    if not rows:
+        return []
+    impls = impl_order(rows)
+    keys = list(dict.fromkeys((t.shape, t.dtype) for t in rows))
+    by_key = {(t.shape, t.dtype, t.impl): t for t in rows}
+    lines = ["| shape | dtype | " + " | ".join(impls) + " |", "|---|---|" + "---:|" * len(impls)]
+    for shape, dtype in keys:
+        cells = [by_key.get((shape, dtype, impl)) for impl in impls]
+        fractions = [c.fraction_of_copy for c in cells if c is not None and c.fraction_of_copy is not None]
+        best = max(fractions) if len(fractions) > 1 else None
+        lines.append(f"| {shape} | {dtype} | " + " | ".join(_fraction_cell(c, best) for c in cells) + " |")
+    return lines
+
+
+def _op_section(op: str, timings: list[Timing]) -> list[str]:
+    lines = [f"## {op}", ""]
+    main = [t for t in timings if t.group != "sweep"]
+    sweep = sorted((t for t in timings if "sweep" in t.group), key=lambda t: (t.n, t.dtype))
+    for direction in ("forward+backward", "forward", "backward"):
+        table = fraction_table(main, direction)
+        if table:
+            lines += [f"**{direction}**", ""] + table + [""]
+    if sweep:
+        lines += [f"<details><summary>sweep over N (M·N = {SWEEP_ELEMENTS >> 20}M elements)</summary>", ""]
+        for direction in ("forward+backward", "forward", "backward"):
+            table = fraction_table(sweep, direction)
+            if table:
+                lines += [f"**{direction}**", ""] + table + [""]
+        lines += ["</details>", ""]
+    errors = list(dict.fromkeys(f"{t.impl} {t.dtype} {t.shape} {t.direction}: {t.note[len('error: '):]}"
+                                for t in timings if t.note.startswith("error")))
+    skips = list(dict.fromkeys(f"{t.impl} {t.dtype}: {t.note}" for t in timings
+                               if t.note and not t.note.startswith("error")))
+    if errors:
+        lines += ["Errors:", ""] + [f"- {e}" for e in errors[:30]]
+        if len(errors) > 30:
+            lines.append(f"- ... {len(errors) - 30} more in timings.csv")
+        lines.append("")
+    if skips:
+        lines += ["Not timed (—):", ""] + [f"- {s}" for s in skips] + [""]
+    return lines
+
+
+def _number(value, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_report(results: Results) -> str:
+    env = results.environment
+    copy = results.copy_gb_per_s
+    lines = ["# multisoft benchmark", ""]
+    lines += [f"- {key}: {value}" for key, value in env.items()]
+    lines += [f"- copy bandwidth (`dst.copy_(src)`, {COPY_BYTES >> 20} MiB, read + write): "
+              f"**{copy:.0f} GB/s**" if copy else "- copy bandwidth: not measured", ""]
+    lines += ["Each cell is the achieved bandwidth as a fraction of that copy bandwidth (best of a row in "
+              "bold). Bytes counted: softmax, log_softmax and block-sparse (over Z·nnz·block² elements): "
+              "forward 2, backward 3, forward+backward 5 × elements × element size; cross-entropy: 1, 2, 3 × "
+              "M·V × element size. A fused implementation can pass 1.0 on forward+backward. "
+              "Milliseconds and GB/s are in `timings.csv`; `—` = not timed (listed under each table).", ""]
+    ops = list(dict.fromkeys(t.op for t in results.timings if t.role != "copy"))
+    for op in ops:
+        lines += _op_section(op, [t for t in results.timings if t.op == op])
+    if results.memory:
+        lines += ["## cross_entropy: peak memory of forward+backward", "",
+                  "`torch.cuda.max_memory_allocated()` above what was allocated before the call (the logits "
+                  "themselves not counted).", "",
+                  "| shape | dtype | impl | peak (MiB) | × logits | note |", "|---|---|---|---:|---:|---|"]
+        for m in results.memory:
+            ratio = None if m.peak_mib is None else m.peak_mib / m.logits_mib
+            lines.append(f"| {m.shape} | {m.dtype} | {m.impl} | {_number(m.peak_mib, 0)} | {_number(ratio, 2)} "
+                         f"| {m.note} |")
+        lines.append("")
+    if results.first_calls:
+        lines += ["## first call (compile) time", "",
+                  "Wall time of the first call of each op in this process, synchronised; the on-disk caches of "
+                  "Triton, CuPy and numba can make it shorter than a cold compile.", "",
+                  "| impl | op | direction | dtype | shape | first call (ms) | steady (ms) |",
+                  "|---|---|---|---|---|---:|---:|"]
+        for f in results.first_calls:
+            lines.append(f"| {f.impl} | {f.op} | {f.direction} | {f.dtype} | {f.shape} | {f.first_call_ms:.1f} | "
+                         f"{_number(f.steady_ms, 3)} |")
+        lines.append("")
+    if results.overhead:
+        lines += ["## host overhead per call, softmax of a (4, 128) float32 tensor", "",
+                  "Wall time per call over 2000 calls with one synchronize at the end.", "",
+                  "| impl | `multisoft.softmax` (µs) | kernel `forward` (µs) | difference (µs) | note |",
+                  "|---|---:|---:|---:|---|"]
+        for o in results.overhead:
+            lines.append(f"| {o.impl} | {_number(o.api_us)} | {_number(o.direct_us)} | {_number(o.difference_us)} "
+                         f"| {o.note} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""``python -m multisoft check``: every op on every backend that can run here, against float64.
+
+The float64 references and the per-dtype tolerances live here; the test suite
+uses the same ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# (atol, rtol) against a float64 reference computed from the same (rounded) inputs.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-4, 2e-3),
+    torch.bfloat16: (1e-3, 1.6e-2),
+    torch.float64: (1e-10, 1e-10),
+}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def error_ratio(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+    """(max |actual - expected|, max of that over atol + rtol * |expected|); equal infinities and NaNs match."""
+    atol, rtol = TOLERANCES[dtype]
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    same = (torch.isnan(a) & torch.isnan(e)) | (a == e)
+    error = torch.where(same, 0.0, (a - e).abs().nan_to_num(float("inf")))
+    if error.numel() == 0:
+        return 0.0, 0.0
+    return error.max().item(), (error / (atol + rtol * e.abs().nan_to_num(0.0))).max().item()
+
+
+# -- float64 references
+
+
+def reference_softmax(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    x64 = x.double()
+    return torch.log_softmax(x64, dim) if log else torch.softmax(x64, dim)
+
+
+def reference_softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """The backward as a function of the forward's output, in float64 (gradcheck ties it to the derivative)."""
+    y64, dy64 = y.detach().double(), dy.detach().double()
+    if log:
+        return dy64 - y64.exp() * dy64.sum(dim, keepdim=True)
+    return y64 * (dy64 - (y64 * dy64).sum(dim, keepdim=True))
+
+
+def reference_cross_entropy(logits, target, **kwargs) -> torch.Tensor:
+    weight = kwargs.pop("weight", None)
+    return F.cross_entropy(logits.double(), target.long(), weight=None if weight is None else weight.double(),
+                           **kwargs)
+
+
+def reference_blocksparse(x, layout, block, scale, is_causal) -> torch.Tensor:
+    from ._blocksparse import blocksparse_from_dense, blocksparse_to_dense
+
+    dense = blocksparse_to_dense(x.double(), layout, block, fill=float("-inf")) * scale
+    if is_causal:
+        m, n = dense.shape[-2:]
+        dense = dense.masked_fill(torch.ones(m, n, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+    masked = torch.isinf(dense) & (dense < 0)
+    empty_row = masked.all(-1, keepdim=True)
+    y = torch.softmax(dense.masked_fill(empty_row, 0.0), -1).masked_fill(masked, 0.0)
+    return blocksparse_from_dense(y, layout, block)
+
+
+def reference_blocksparse_backward(y, dy, layout, block, scale) -> torch.Tensor:
+    """dx = scale * y * (dy - rowsum(y * dy)) in float64, from the forward's output."""
+    from ._blocksparse import blocksparse_from_dense, blocksparse_to_dense
+
+    y64 = blocksparse_to_dense(y.detach().double(), layout, block)
+    dy64 = blocksparse_to_dense(dy.detach().double(), layout, block)
+    dx = scale * y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+    return blocksparse_from_dense(dx, layout, block)
+
+
+# -- the check command
+
+
+@dataclass
+class Row:
+    op: str
+    backend: str
+    dtype: str
+    shape: str
+    max_error: float = 0.0
+    ratio: float = 0.0          # worst error over tolerance, against float64
+    peer_ratio: float = 0.0     # worst disagreement with the other backends, over twice the tolerance
+    error: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and self.ratio <= 1.0 and self.peer_ratio <= 1.0
+
+
+def _cases(device: torch.device, small: bool):
+    """(op name, shape label, function(backend, dtype) -> {output name: (value, float64 reference)})."""
+    import multisoft
+
+    soft_shapes = [(3, 100), (2, 5000)] if small else [(4, 1000), (64, 4096), (2, 131_072), (2, 262_144)]
+    ce_shapes = [(8, 300)] if small else [(64, 32_000), (8, 128_256)]
+    bs_cases = [(16, 2, 4)] if small else [(32, 4, 16), (128, 2, 8)]
+
+    def softmax_case(shape, log):
+        def run(backend, dtype):
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            x = (torch.randn(shape, generator=gen) * 3).to(device, dtype).requires_grad_()
+            dy = torch.randn(shape, generator=gen).to(device, dtype)
+            op = multisoft.log_softmax if log else multisoft.softmax
+            y = op(x, backend=backend)
+            (dx,) = torch.autograd.grad(y, x, dy)
+            return {"forward": (y, reference_softmax(x.detach(), -1, log)),
+                    "backward": (dx, reference_softmax_backward(y, dy, -1, log))}
+        return run
+
+    def ce_case(shape):
+        def run(backend, dtype):
+            gen = torch.Generator(device="cpu").manual_seed(2)
+            m, c = shape
+            logits = (torch.randn(shape, generator=gen) * 2).to(device, dtype).requires_grad_()
+            target = torch.randint(0, c, (m,), generator=gen)
+            target[::5] = -100
+            target = target.to(device)
+            weight = (torch.rand(c, generator=gen) + 0.5).to(device)
+            kwargs = dict(weight=weight, label_smoothing=0.1)
+            loss = multisoft.cross_entropy(logits, target, backend=backend, **kwargs)
+            (grad,) = torch.autograd.grad(loss, logits)
+            logits64 = logits.detach().double().requires_grad_()
+            expected = reference_cross_entropy(logits64, target, **kwargs)
+            (expected_grad,) = torch.autograd.grad(expected, logits64)
+            return {"forward": (loss, expected), "backward": (grad, expected_grad)}
+        return run
+
+    def bs_case(block, heads, block_rows):
+        def run(backend, dtype):
+            gen = torch.Generator(device="cpu").manual_seed(3)
+            layout = (torch.rand(heads, block_rows, block_rows, generator=gen) < 0.5).long()
+            layout[:, :, 0] = 1
+            nnz = int(layout.sum())
+            x = (torch.randn(2, nnz, block, block, generator=gen) * 2).to(device, dtype).requires_grad_()
+            dy = torch.randn(2, nnz, block, block, generator=gen).to(device, dtype)
+            y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=True, backend=backend)
+            (dx,) = torch.autograd.grad(y, x, dy)
+            return {"forward": (y, reference_blocksparse(x.detach(), layout, block, 0.5, True)),
+                    "backward": (dx, reference_blocksparse_backward(y, dy, layout, block, 0.5))}
+        return run
+
+    for shape, log in itertools.product(soft_shapes, (False, True)):
+        yield ("log_softmax" if log else "softmax"), "x".join(map(str, shape)), softmax_case(shape, log)
+    for shape in ce_shapes:
+        yield "cross_entropy", "x".join(map(str, shape)), ce_case(shape)
+    for block, heads, block_rows in bs_cases:
+        yield "blocksparse", f"b{block} h{heads} {block_rows}x{block_rows} causal", bs_case(block, heads, block_rows)
+
+
+def run_check(device: torch.device, backends: list[str], small: bool) -> list[Row]:
+    rows = []
+    for (op, shape, case), dtype in itertools.product(_cases(device, small), DTYPES):
+        outputs = {}
+        for backend in backends:
+            try:
+                outputs[backend] = case(backend, dtype)
+            except Exception as error:  # a failing backend is a row of the table, not a crash
+                rows.append(Row(f"{op}", backend, str(dtype).replace("torch.", ""), shape,
+                                error=f"{type(error).__name__}: {error}"[:120]))
+        for direction in ("forward", "backward"):
+            for backend, results in outputs.items():
+                value, expected = results[direction]
+                row = Row(f"{op} {direction}", backend, str(dtype).replace("torch.", ""), shape)
+                row.max_error, row.ratio = error_ratio(value, expected, dtype)
+                for other, other_results in outputs.items():
+                    if other != backend:
+                        _, ratio = error_ratio(value, other_results[direction][0], dtype)
+                        row.peer_ratio = max(row.peer_ratio, ratio / 2)
+                rows.append(row)
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("op", "shape", "backend", "dtype", "max error", "err/tol", "vs peers", "result")
+    lines = [header]
+    for r in rows:
+        lines.append((r.op, r.shape, r.backend, r.dtype, f"{r.max_error:.2e}", f"{r.ratio:.3f}",
+                      f"{r.peer_ratio:.3f}", "pass" if r.passed else f"FAIL {r.error}".strip()))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = [" | ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
+    text.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(text)

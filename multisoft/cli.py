@@ -1,0 +1,91 @@
+"""``python -m multisoft info | check | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+SIMULATION_VARIABLES = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
+
+
+def _info(args) -> int:
+    import torch
+
+    import multisoft
+    from multisoft._registry import ENV_VAR, _default_backends
+
+    print(f"multisoft {multisoft.__version__}, python {platform.python_version()}, torch {torch.__version__}")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(device)
+        print(f"GPU: {props.name} (compute capability {props.major}.{props.minor}, "
+              f"{props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} device(s)), CUDA {torch.version.cuda}")
+    else:
+        device = torch.device("cpu")
+        print("GPU: none (no CUDA device visible to torch)")
+    print(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}")
+    print(f"backends, in default priority order, on {device}:")
+    for backend in _default_backends():
+        version = backend.version()
+        reason = backend.unavailable_reason(device, torch.float32)
+        state = "available" if reason is None else f"unavailable: {reason}"
+        print(f"  {backend.name:<8} {version or '-':<28} {state}")
+        for note in backend.notes():
+            print(f"  {'':<8} note: {note}")
+    return 0
+
+
+def _check(args) -> int:
+    import torch
+
+    from multisoft._registry import _default_backends, get_backend
+    from multisoft.check import format_table, run_check
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if args.backends:
+        names = [n.strip() for n in args.backends.split(",") if n.strip()]
+        for name in names:
+            get_backend(name)
+    else:
+        names = [b.name for b in _default_backends() if b.unavailable_reason(device, torch.float32) is None]
+    small = device.type == "cpu"
+    print(f"checking {', '.join(names)} on {device} ({'small' if small else 'full'} shapes) "
+          f"against float64 references ...", flush=True)
+    rows = run_check(device, names, small)
+    print(format_table(rows))
+    failed = [r for r in rows if not r.passed]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def _bench(args, rest) -> int:
+    from multisoft import bench
+
+    return bench.main(rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m multisoft", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="backends, their versions and availability, the GPU")
+    check = commands.add_parser("check", help="every op on every backend that can run here vs float64")
+    check.add_argument("--backends", help="comma-separated backends to check (default: all that can run here)")
+    check.add_argument("--simulate", action="store_true",
+                       help="without a GPU, also run Triton under its interpreter and numba under its simulator")
+    commands.add_parser("bench", help="time every op and backend against the copy bandwidth (needs a GPU)",
+                        add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "simulate", False):
+        # This process is the program, not the library: set them before anything imports the frameworks.
+        os.environ.update(SIMULATION_VARIABLES)
+    return _info(args) if args.command == "info" else _check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

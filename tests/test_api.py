@@ -1,0 +1,332 @@
+"""The front: backend resolution, validation errors, helpers, autograd, torch.library and torch.compile."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import multisoft
+from multisoft import _registry
+from multisoft.check import reference_cross_entropy
+
+# -- resolution: argument > use_backend > environment > default
+
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Names of the backends whose softmax kernel ran, in order."""
+    calls = []
+    real = _registry.Backend.kernels
+
+    def kernels(self, op):
+        calls.append(self.name)
+        return real(_registry.get_backend("torch"), op)
+
+    monkeypatch.setattr(_registry.Backend, "kernels", kernels)
+    monkeypatch.setattr(_registry.Backend, "unavailable_reason", lambda self, device, dtype: None)
+    monkeypatch.delenv(_registry.ENV_VAR, raising=False)
+    return calls
+
+
+def _fake_names():
+    names = [n for n in _registry.backend_names() if n != "torch"]
+    if not names:
+        pytest.skip("needs a second backend package installed")
+    return names[0]
+
+
+def test_resolution_order(ran, monkeypatch):
+    other = _fake_names()
+    x = torch.randn(2, 3)
+    multisoft.softmax(x)
+    assert ran[-1] == _registry.backend_names()[0], "default: the highest-priority backend that can run"
+    monkeypatch.setenv(_registry.ENV_VAR, "torch")
+    multisoft.softmax(x)
+    assert ran[-1] == "torch", "environment beats the default"
+    with multisoft.use_backend(other):
+        multisoft.softmax(x)
+        assert ran[-1] == other, "use_backend beats the environment"
+        multisoft.softmax(x, backend="torch")
+        assert ran[-1] == "torch", "the argument beats use_backend"
+        with multisoft.use_backend("torch"):
+            multisoft.softmax(x)
+            assert ran[-1] == "torch", "the innermost use_backend wins"
+        multisoft.softmax(x)
+        assert ran[-1] == other
+    monkeypatch.setenv(_registry.ENV_VAR, f"nonexistent_but_listed_later, {other}")
+    with pytest.raises(ValueError, match="unknown backend"):
+        multisoft.softmax(x)
+    monkeypatch.setenv(_registry.ENV_VAR, f"{other},torch")
+    multisoft.softmax(x)
+    assert ran[-1] == other, "a priority list takes the first that can run"
+
+
+def test_environment_priority_list_skips_what_cannot_run(monkeypatch):
+    monkeypatch.setenv(_registry.ENV_VAR, "triton,torch")
+    if _registry.get_backend("triton").unavailable_reason(torch.device("cpu"), torch.float32) is None:
+        pytest.skip("triton can run on the CPU here (interpreter)")
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(multisoft.softmax(x), torch.softmax(x, -1))
+
+
+def test_use_backend_is_thread_local():
+    seen = {}
+
+    def worker():
+        seen["inner"] = _registry._current.get()
+
+    with multisoft.use_backend("torch"):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        assert _registry._current.get() == "torch"
+    assert seen["inner"] is None
+    assert _registry._current.get() is None
+
+
+def test_unknown_backend_lists_known_ones():
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'.*torch"):
+        multisoft.softmax(torch.randn(2, 2), backend="nope")
+    with pytest.raises(ValueError, match="unknown backend"):
+        with multisoft.use_backend("nope"):
+            pass
+
+
+def test_named_backend_that_cannot_run_raises_with_reason(monkeypatch):
+    backend = _registry.get_backend("torch")
+    monkeypatch.setattr(backend, "_reasons", {})
+    monkeypatch.setattr(backend.module, "unavailable_reason", lambda device, dtype: "no CUDA device")
+    with pytest.raises(multisoft.BackendUnavailableError, match="no CUDA device"):
+        multisoft.softmax(torch.randn(2, 2), backend="torch")
+
+
+def test_missing_framework_says_how_to_install(monkeypatch):
+    backend = _registry.get_backend("torch")
+    monkeypatch.setattr(backend, "_reasons", {})
+    monkeypatch.setattr(backend.module, "version", lambda: None)
+    with pytest.raises(multisoft.BackendUnavailableError, match="not installed.*pip install"):
+        multisoft.softmax(torch.randn(2, 2), backend="torch")
+
+
+def test_automatic_choice_falls_back_to_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv(_registry.ENV_VAR, raising=False)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    torch.testing.assert_close(multisoft.softmax(x), torch.softmax(x, -1))
+    assert "torch" in multisoft.available_backends()
+    assert "torch" in multisoft.available_backends("cross_entropy")
+    with pytest.raises(ValueError, match="op must be one of"):
+        multisoft.available_backends("matmul")
+
+
+def test_import_is_light():
+    code = ("import sys, multisoft; heavy = [m for m in ('triton', 'numba', 'cupy') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_info_runs():
+    out = subprocess.run([sys.executable, "-m", "multisoft", "info"], check=True, capture_output=True, text=True)
+    assert "torch" in out.stdout and "available" in out.stdout
+
+
+# -- validation
+
+
+@pytest.mark.parametrize("call, error, pattern", [
+    (lambda: multisoft.softmax(torch.arange(4)), TypeError, "x must have a floating dtype"),
+    (lambda: multisoft.softmax([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+    (lambda: multisoft.softmax(torch.randn(2, 3), dim=2), ValueError, "dim=2 is out of range"),
+    (lambda: multisoft.softmax(torch.randn(2, 3), dim=1.0), TypeError, "dim must be an int"),
+    (lambda: multisoft.log_softmax(torch.randn(2, 3), dtype=torch.int32), TypeError, "dtype must be"),
+    (lambda: multisoft.cross_entropy(torch.arange(6).view(2, 3), torch.zeros(2, dtype=torch.long)),
+     TypeError, "logits must have a floating dtype"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2)), TypeError, "target must hold class"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(3, dtype=torch.long)),
+     ValueError, r"target must have shape \(2,\)"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)),
+     ValueError, r"target must have shape \(2, 4\)"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), reduction="avg"),
+     ValueError, "reduction must be one of"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), label_smoothing=1.5),
+     ValueError, r"label_smoothing must be in \[0, 1\]"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), weight=torch.ones(4)),
+     ValueError, r"weight must have shape \(3,\)"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), ignore_index=1.5),
+     TypeError, "ignore_index must be an int"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), weight=torch.ones(3),
+                                     backend="torch", inplace_backward="yes"),
+     TypeError, "inplace_backward must be a bool"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.tensor([0, 3])), ValueError, "target holds class"),
+    (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.ones(1, 1), 16),
+     ValueError, "layout must be 3-D"),
+    (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.full((1, 1, 1), 2), 16),
+     ValueError, "layout must hold only 0 and 1"),
+    (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.ones(1, 1, 1), 16),
+     TypeError, "layout must be an integer or bool"),
+    (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 24, 24), torch.ones(1, 1, 1, dtype=torch.long), 24),
+     ValueError, "block must be one of"),
+    (lambda: multisoft.blocksparse_softmax(torch.randn(1, 2, 16, 16), torch.ones(1, 1, 1, dtype=torch.long), 16),
+     ValueError, r"x must have shape \(Z, 1, 16, 16\)"),
+    (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.ones(1, 1, 1, dtype=torch.long), 16,
+                                           is_causal=1), TypeError, "is_causal must be a bool"),
+    (lambda: multisoft.blocksparse_from_dense(torch.randn(1, 1, 20, 32), torch.ones(1, 1, 2, dtype=torch.long), 16),
+     ValueError, "does not match layout"),
+])
+def test_bad_input_gets_a_clear_error(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tensors_on_different_devices():
+    with pytest.raises(ValueError, match="target is on"):
+        multisoft.cross_entropy(torch.randn(2, 3, device="cuda"), torch.zeros(2, dtype=torch.long))
+
+
+def test_empty_tensors_give_empty_results():
+    assert multisoft.softmax(torch.randn(0, 5)).shape == (0, 5)
+    assert multisoft.log_softmax(torch.randn(3, 0)).shape == (3, 0)
+    loss = multisoft.cross_entropy(torch.randn(0, 5), torch.zeros(0, dtype=torch.long), reduction="none")
+    assert loss.shape == (0,)
+    assert multisoft.cross_entropy(torch.randn(0, 5), torch.zeros(0, dtype=torch.long), reduction="sum") == 0
+    layout = torch.zeros(1, 2, 2, dtype=torch.long)
+    assert multisoft.blocksparse_softmax(torch.randn(3, 0, 16, 16), layout, 16).shape == (3, 0, 16, 16)
+
+
+def test_zero_dim_softmax():
+    x = torch.tensor(3.0)
+    assert multisoft.softmax(x).item() == 1.0 and multisoft.log_softmax(x).item() == 0.0
+
+
+# -- semantics beyond the harness
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtype_argument_casts_first(dtype):
+    x = torch.randn(4, 9, dtype=torch.float64)
+    y = multisoft.softmax(x, dtype=dtype, backend="torch")
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, torch.softmax(x, -1, dtype=dtype))
+
+
+def test_cross_entropy_matches_torch_loss_dtype_and_reductions():
+    logits = torch.randn(7, 11, dtype=torch.bfloat16)
+    target = torch.randint(0, 11, (7,))
+    for reduction in ("mean", "sum", "none"):
+        loss = multisoft.cross_entropy(logits, target, reduction=reduction, backend="torch")
+        expected = F.cross_entropy(logits, target, reduction=reduction)
+        assert loss.dtype == expected.dtype and loss.shape == expected.shape
+
+
+def test_all_ignored_mean_is_nan_like_torch():
+    logits = torch.randn(4, 5, requires_grad=True)
+    target = torch.full((4,), -100)
+    loss = multisoft.cross_entropy(logits, target, backend="torch")
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(logits, target))
+
+
+def test_nn_modules_drop_in():
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(multisoft.nn.Softmax(dim=1)(x), torch.nn.Softmax(dim=1)(x))
+    torch.testing.assert_close(multisoft.nn.LogSoftmax(dim=-1)(x), torch.nn.LogSoftmax(dim=-1)(x))
+    weight = torch.rand(4) + 0.5
+    target = torch.randint(0, 4, (3, 5))
+    ours = multisoft.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)(x, target)
+    theirs = torch.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)(x, target)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_dense_helpers_round_trip_and_order():
+    block = 16
+    layout = torch.tensor([[[1, 0, 1], [0, 1, 0]], [[0, 0, 1], [1, 1, 1]]])
+    dense = torch.randn(2, 2, 2 * block, 3 * block)
+    blocks = multisoft.blocksparse_from_dense(dense, layout, block)
+    assert blocks.shape == (2, int(layout.sum()), block, block)
+    for i, (h, r, c) in enumerate(layout.nonzero().tolist()):   # layout.nonzero() order, by hand
+        torch.testing.assert_close(blocks[:, i], dense[:, h, r * block:(r + 1) * block, c * block:(c + 1) * block])
+    back = multisoft.blocksparse_to_dense(blocks, layout, block, fill=-7.0)
+    mask = layout.repeat_interleave(block, 1).repeat_interleave(block, 2).bool()
+    torch.testing.assert_close(back[:, mask], dense[:, mask])
+    assert (back[:, ~mask] == -7.0).all()
+
+
+def test_lookup_table_is_cached_and_follows_layout_changes():
+    layout = torch.tensor([[[1, 1], [0, 1]]])
+    first = multisoft._blocksparse.lookup_table(layout, 16)
+    assert multisoft._blocksparse.lookup_table(layout, 16) is first
+    assert first.offsets.tolist() == [0, 2, 3] and first.columns.tolist() == [0, 1, 1] and first.max_blocks == 2
+    layout[0, 1, 0] = 1
+    second = multisoft._blocksparse.lookup_table(layout, 16)
+    assert second.nnz == 4 and second.offsets.tolist() == [0, 2, 4]
+
+
+# -- autograd, torch.library, torch.compile
+
+
+def test_gradcheck_reference_float64():
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: multisoft.softmax(t, backend="torch"), (x,))
+    assert torch.autograd.gradcheck(lambda t: multisoft.log_softmax(t, 0, backend="torch"), (x,))
+    target = torch.tensor([0, -100, 6])
+    weight = torch.rand(7, dtype=torch.float64) + 0.5
+    assert torch.autograd.gradcheck(
+        lambda t: multisoft.cross_entropy(t, target, weight=weight, label_smoothing=0.2, backend="torch"), (x,))
+    layout = torch.tensor([[[1, 1], [1, 0]]])
+    blocks = torch.randn(1, 3, 16, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda t: multisoft.blocksparse_softmax(t, layout, 16, scale=0.3, is_causal=True, backend="torch"),
+        (blocks,), atol=1e-6)
+
+
+def test_opcheck_registered_ops():
+    from multisoft import _blocksparse as blocksparse, _cross_entropy as cross_entropy, _softmax as softmax
+
+    x = torch.randn(4, 9, requires_grad=True)
+    torch.library.opcheck(softmax.softmax_forward_op, (x, True, "torch"))
+    torch.library.opcheck(softmax.softmax_backward_op, (torch.softmax(x, -1).detach(), torch.randn(4, 9), False,
+                                                          "torch"))
+    target = torch.tensor([1, -100, 8, 0])
+    weight = torch.rand(9)
+    torch.library.opcheck(cross_entropy.cross_entropy_forward_op,
+                          (x, target, weight, weight.sum().reshape(1), -100, 0.1, "torch"))
+    lse = x.detach().logsumexp(-1)
+    torch.library.opcheck(cross_entropy.cross_entropy_backward_op,
+                          (x.detach(), target, None, None, lse, torch.rand(4), -100, 0.0, "torch"))
+    layout = torch.tensor([[[1, 0], [1, 1]]])
+    blocks = torch.randn(2, 3, 16, 16, requires_grad=True)
+    torch.library.opcheck(blocksparse.blocksparse_forward_op, (blocks, layout, 16, 0.5, True, "torch"))
+    torch.library.opcheck(blocksparse.blocksparse_backward_op,
+                          (blocks.detach(), torch.randn(2, 3, 16, 16), layout, 16, 0.5, "torch"))
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    layout = torch.tensor([[[1, 0], [1, 1]]])
+
+    def model(x, logits, target, blocks):
+        a = multisoft.softmax(x * 2, -1, backend="torch").sum()
+        b = multisoft.log_softmax(x, 0, backend="torch").sum()
+        c = multisoft.cross_entropy(logits, target, label_smoothing=0.1, backend="torch")
+        d = multisoft.blocksparse_softmax(blocks, layout, 16, is_causal=True, backend="torch").sum()
+        return a + b + c + d
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, 6, requires_grad=True)
+    logits = torch.randn(5, 10, requires_grad=True)
+    target = torch.tensor([1, 2, -100, 4, 9])
+    blocks = torch.randn(1, 3, 16, 16, requires_grad=True)
+    got = compiled(x, logits, target, blocks)
+    grads = torch.autograd.grad(got, (x, logits, blocks))
+    want = model(x, logits, target, blocks)
+    want_grads = torch.autograd.grad(want, (x, logits, blocks))
+    torch.testing.assert_close(got, want)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w)
+    expected_ce = reference_cross_entropy(logits.detach(), target, label_smoothing=0.1)
+    torch.testing.assert_close(multisoft.cross_entropy(logits, target, label_smoothing=0.1, backend="torch").double(),
+                               expected_ce)
