@@ -199,7 +199,9 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor, block: int, *, sc
     _check_blocks(x, "x", lut)
     if x.numel() == 0:
         return torch.empty_like(x)
-    return _BlockSparseSoftmax.apply(x, lut, scale, is_causal, name)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _BlockSparseSoftmax.apply(x, lut, scale, is_causal, name)
+    return _forward(x, lut, scale, is_causal, name)
 
 
 def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torch.Tensor, block: int, *,

@@ -168,37 +168,42 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
     classes, label_smoothing = _check(logits, target, weight, ignore_index, reduction, label_smoothing)
     _validate.boolean(inplace_backward, "inplace_backward")
     out_dtype = logits.dtype
+    stats_dtype = _stats_dtype(logits.dtype)
     if logits.ndim == 1:
         rows_2d, flat_target = logits.unsqueeze(0), target.reshape(1)
+    elif logits.ndim == 2:
+        rows_2d, flat_target = logits, target
     else:
         rows_2d = logits.movedim(1, -1).reshape(-1, classes)
         flat_target = target.reshape(-1)
     backend = resolve_name(logits.device, logits.dtype, backend)
     rows_2d = rows_2d.contiguous()
     flat_target = flat_target.contiguous()
-    valid = flat_target != ignore_index
-    weight32 = weight.to(_stats_dtype(logits.dtype)).contiguous() if weight is not None else None
+    weight32 = weight.to(stats_dtype).contiguous() if weight is not None else None
     weight_sum = weight32.sum().reshape(1) if weight is not None else None
     if reduction == "mean":
+        valid = flat_target != ignore_index
         if weight32 is None:
-            denominator = valid.sum().to(_stats_dtype(logits.dtype))
+            denominator = valid.sum().to(stats_dtype)
         else:
             denominator = (weight32[flat_target.clamp(0, max(classes - 1, 0)).long()] * valid).sum()
     if rows_2d.numel() == 0:
-        per_row = rows_2d.sum(-1).to(_stats_dtype(logits.dtype))
+        per_row = rows_2d.sum(-1).to(stats_dtype)
     elif inplace_backward and not torch.compiler.is_compiling():
         if reduction == "mean":
             expected = (1.0 / denominator).expand(rows_2d.shape[0]).contiguous()
         else:
-            expected = torch.ones(rows_2d.shape[0], dtype=_stats_dtype(logits.dtype), device=logits.device)
+            expected = torch.ones(rows_2d.shape[0], dtype=stats_dtype, device=logits.device)
         per_row = _CrossEntropyInPlace.apply(rows_2d, flat_target, weight32, weight_sum, ignore_index,
                                              label_smoothing, backend, expected)
     elif torch.compiler.is_compiling():
         per_row, _ = cross_entropy_forward_op(rows_2d, flat_target, weight32, weight_sum, ignore_index,
                                               label_smoothing, backend)
-    else:
+    elif rows_2d.requires_grad and torch.is_grad_enabled():
         per_row = _CrossEntropy.apply(rows_2d, flat_target, weight32, weight_sum, ignore_index,
                                       label_smoothing, backend)
+    else:
+        per_row, _ = _forward(rows_2d, flat_target, weight32, ignore_index, label_smoothing, backend)
     if reduction == "none":
         return per_row.reshape(target.shape).to(out_dtype)
     if reduction == "sum":

@@ -87,11 +87,13 @@ def headline_bars(timings, path: Path, direction: str = "forward+backward") -> P
             xs = [s + (k - (len(present) - 1) / 2) * width for s in range(len(shapes))]
             ax.bar(xs, [values.get(shape, 0.0) for shape in shapes], width, color=colors[impl], label=impl)
         ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
+        ax.set_ylim(0, max(1.25, 1.2 * max(t.fraction_of_copy for t in panel)))
         ax.set_xticks(range(len(shapes)))
-        ax.set_xticklabels(shapes, fontsize=8)
+        ax.set_xticklabels(shapes, fontsize=8, rotation=20 if len(shapes) > 6 else 0,
+                           ha="right" if len(shapes) > 6 else "center")
         ax.set_ylabel("fraction of copy")
         ax.set_title(f"{op} {dtype} {direction}", fontsize=10)
-        ax.legend(fontsize=7, ncol=len(present), loc="upper right")
+        ax.legend(fontsize=7, ncol=len(present), loc="upper left")
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

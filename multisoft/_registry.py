@@ -89,6 +89,7 @@ _lock = threading.Lock()
 _backends: dict[str, Backend] = {}
 _discovered = False
 _default_order: list[Backend] | None = None
+_resolved: dict[tuple, Backend] = {}
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("multisoft_backend", default=None)
 
 
@@ -165,9 +166,25 @@ def resolve(device: torch.device, dtype: torch.dtype, backend: str | None = None
     """The backend for a call: argument, then use_backend, then $MULTISOFT_BACKEND, then default."""
     if backend is None:
         backend = _current.get()
+    env = os.environ.get(ENV_VAR, "") if backend is None else None
+    key = (backend, env, device, dtype)
+    found = _resolved.get(key)
+    if found is None:
+        found = _resolve(device, dtype, backend, env.strip() if env is not None else "")
+        _resolved[key] = found
+    return found
+
+
+def clear_caches() -> None:
+    """Forget resolutions and availability answers (after installing a backend, or in tests)."""
+    _resolved.clear()
+    for backend in _backends.values():
+        backend._reasons.clear()
+
+
+def _resolve(device: torch.device, dtype: torch.dtype, backend: str | None, env: str) -> Backend:
     if backend is not None:
         return _require(backend, device, dtype)
-    env = os.environ.get(ENV_VAR, "").strip()
     if env:
         names = [n.strip() for n in env.split(",") if n.strip()]
         if len(names) == 1:

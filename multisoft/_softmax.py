@@ -85,15 +85,21 @@ def _apply(x, dim, dtype, backend, log):
     if x.ndim == 0:
         return _apply(x.reshape(1), 0, None, backend, log).reshape(())
     name = resolve_name(x.device, x.dtype, backend)
-    rows = x.movedim(dim, -1)
-    if rows.numel() == 0:
+    if x.numel() == 0:
         return torch.empty_like(x)
-    rows_2d = rows.reshape(-1, rows.shape[-1]).contiguous()
+    last = dim == x.ndim - 1
+    rows = x if last else x.movedim(dim, -1)
+    rows_2d = rows if rows.ndim == 2 else rows.reshape(-1, rows.shape[-1])
+    rows_2d = rows_2d.contiguous()
     if torch.compiler.is_compiling():
         y = softmax_forward_op(rows_2d, log, name)
-    else:
+    elif rows_2d.requires_grad and torch.is_grad_enabled():
         y = _Softmax.apply(rows_2d, log, name)
-    return y.view(rows.shape).movedim(-1, dim)
+    else:
+        y = _forward(rows_2d, log, name)
+    if rows.ndim != 2:
+        y = y.view(rows.shape)
+    return y if last else y.movedim(-1, dim)
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,

@@ -16,6 +16,7 @@ import argparse
 import csv
 import dataclasses
 import importlib.metadata
+import importlib.util
 import math
 import platform
 import statistics
@@ -60,6 +61,7 @@ LIGER_PEER = "liger"
 COPY_BYTES = 1 << 30
 NO_GPU_MESSAGE = "multisoft bench: no CUDA device found; the benchmark needs one (nothing was run)."
 DEVICE = "cuda"  # the tests' dry run sets "cpu"
+COPY_AT_END = "copy bandwidth at the end"
 
 
 # -- records
@@ -234,18 +236,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a few shapes only: a fast smoke run")
     parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     parser.add_argument("--no-peers", action="store_true", help="do not time torch's or Liger-Kernel's ops")
-    parser.add_argument("--warmup", type=float, help="do_bench warm-up in ms (default 10, --quick 5)")
-    parser.add_argument("--rep", type=float, help="do_bench repetition time in ms (default 40, --quick 20)")
+    parser.add_argument("--timer", choices=("do_bench", "queued"), default="do_bench",
+                        help="do_bench: triton.testing.do_bench; queued: CUDA events with the GPU held busy while "
+                             "the host queues the calls, so host overhead is not timed (default: %(default)s)")
+    parser.add_argument("--warmup", type=float, default=5.0, help="do_bench warm-up in ms (default %(default)g)")
+    parser.add_argument("--rep", type=float, default=25.0, help="do_bench repetition time in ms "
+                                                                "(default %(default)g)")
     args = parser.parse_args(argv)
     args.ops = _choices(args.ops, OPS, OP_ALIASES, "op", parser) if args.ops else list(OPS)
     args.dtypes = _choices(args.dtypes, tuple(DTYPES), DTYPE_ALIASES, "dtype", parser)
     if args.fp16 and "fp16" not in args.dtypes:
         args.dtypes.append("fp16")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
-    if args.warmup is None:
-        args.warmup = 5.0 if args.quick else 10.0
-    if args.rep is None:
-        args.rep = 20.0 if args.quick else 40.0
     return args
 
 
@@ -285,14 +287,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_plots(results: Results, out: Path) -> list[Path]:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print("matplotlib is not installed: no plots (pip install 'multisoft[bench]')", file=sys.stderr)
         return []
     from . import _plots
 
-    return _plots.write_plots(results, out)
+    try:
+        return _plots.write_plots(results, out)
+    except Exception as error:  # noqa: BLE001 - the CSV and Markdown are already written
+        print(f"plots failed: {describe_error(error)}", file=sys.stderr)
+        return []
 
 
 # -- progress
@@ -341,18 +345,88 @@ class Progress:
 # -- timing
 
 
-def make_timer(warmup: float, rep: float) -> tuple[Callable, str]:
-    """A function fn -> median milliseconds, and a description of how it times."""
+def make_timer(warmup: float, rep: float, kind: str = "do_bench") -> tuple[Callable, str]:
+    """A function fn -> median milliseconds, and a description of how it times.
+
+    ``do_bench``: triton.testing.do_bench (event_bench without triton).
+    ``queued``: queued_bench, which keeps the host's launch time out of the result.
+    """
+    settings = f"median, L2 cleared between reps, warmup {warmup:g} ms, rep {rep:g} ms"
+    if kind == "queued":
+        return (lambda fn: queued_bench(fn, warmup, rep)), f"queued CUDA events, host time hidden ({settings})"
     try:
         from triton.testing import do_bench
     except Exception:  # noqa: BLE001 - a broken triton install must not stop the benchmark
-        def timer(fn):
-            return event_bench(fn, warmup, rep)
-        return timer, f"torch.cuda.Event (median, L2 cleared between reps, warmup {warmup:g} ms, rep {rep:g} ms)"
+        return (lambda fn: event_bench(fn, warmup, rep)), f"torch.cuda.Event ({settings})"
+    return (lambda fn: float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))), \
+        f"triton.testing.do_bench ({settings})"
 
-    def timer(fn):
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    return timer, f"triton.testing.do_bench (median, L2 cleared between reps, warmup {warmup:g} ms, rep {rep:g} ms)"
+
+_sleep_cycles_per_ms: list[float] = []
+
+
+def _hold_gpu(ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` milliseconds (torch.cuda._sleep, calibrated once)."""
+    import torch
+
+    if not _sleep_cycles_per_ms:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _sleep_cycles_per_ms.append(10_000_000 / max(start.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
+
+
+def queued_bench(fn: Callable, warmup: float, rep: float, max_batch: int = 32) -> float:
+    """Median CUDA-event time of ``fn`` with its host time hidden, L2 flushed before each call.
+
+    Before each batch of calls the GPU is held busy (a sleep kernel) for as long
+    as the host needs to queue the batch, so every call finds the previous one's
+    work queued behind it: the events time the GPU work, not the Python launching
+    it. A call that synchronises inside still waits for the host.
+    """
+    import torch
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    _hold_gpu(20.0)
+    start = time.perf_counter()
+    for _ in range(3):
+        flush.zero_()
+        fn()
+    host_ms = (time.perf_counter() - start) * 1e3 / 3 + 0.02  # + the events' launches
+    torch.cuda.synchronize()
+    wall_ms = max(host_ms, _events_median(fn, flush, 3, host_ms))
+    for _ in range(max(1, int(warmup / wall_ms))):
+        fn()
+    total = max(10, min(1000, int(rep / wall_ms)))
+    batch = max(1, min(max_batch, int(40.0 / host_ms)))
+    times: list[float] = []
+    while len(times) < total:
+        times += _events_times(fn, flush, min(batch, total - len(times)), host_ms)
+    return statistics.median(times)
+
+
+def _events_times(fn: Callable, flush, count: int, host_ms: float) -> list[float]:
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+    _hold_gpu(1.5 * count * host_ms)
+    for first, last in zip(starts, ends):
+        flush.zero_()
+        first.record()
+        fn()
+        last.record()
+    torch.cuda.synchronize()
+    return [first.elapsed_time(last) for first, last in zip(starts, ends)]
+
+
+def _events_median(fn: Callable, flush, count: int, host_ms: float) -> float:
+    return statistics.median(_events_times(fn, flush, count, host_ms))
 
 
 def event_bench(fn: Callable, warmup: float, rep: float) -> float:
@@ -552,14 +626,13 @@ def prepare(impl: Impl, op: str, direction: str, inputs: dict) -> Callable:
 
 
 class Runner:
-    """Holds what one run shares: the timer, the copy bandwidth, the records, the first calls seen."""
+    """What one run shares: the device, the timer, the first calls seen, the kernel modules that failed."""
 
     def __init__(self, args):
         import torch
 
-        self.args = args
         self.device = torch.device(DEVICE)
-        self.timer, self.timing_method = make_timer(args.warmup, args.rep)
+        self.timer, self.timing_method = make_timer(args.warmup, args.rep, args.timer)
         self.seen_first: set = set()
         self.failed_modules: dict = {}
         self.progress: Progress | None = None
@@ -598,8 +671,6 @@ class Runner:
 
     def measure(self, impl: Impl, case: Case, dtype_name: str, inputs: dict, copy_gb_per_s: float | None,
                 results: Results, directions=DIRECTIONS) -> None:
-        import torch
-
         skip = self.skip_reason(impl, case.op, dtype_name)
         for direction in directions:
             record = Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label, case.n, direction,
@@ -648,10 +719,7 @@ def copy_ms(timer: Callable) -> float:
 
     src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device=DEVICE)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return ms
+    return timer(lambda: dst.copy_(src))
 
 
 def environment(backends: list[str], timing_method: str, liger_note: str) -> dict:
@@ -705,6 +773,7 @@ def choose_impls(args) -> tuple[list[str], list[Impl], str]:
 def run(args) -> Results:
     import torch
 
+    started = time.perf_counter()
     torch.manual_seed(0)
     runner = Runner(args)
     backends, impls, liger_note = choose_impls(args)
@@ -737,7 +806,8 @@ def run(args) -> Results:
         results.overhead = host_overhead(runner, backends)
     finally:
         runner.progress.close()
-    results.environment["copy bandwidth at the end"] = f"{gb_per_s(2 * COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"
+    results.environment[COPY_AT_END] = f"{gb_per_s(2 * COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"
+    results.environment["run time"] = f"{time.perf_counter() - started:.0f} s"
     return results
 
 
@@ -908,7 +978,8 @@ def fraction_table(timings: list[Timing], direction: str) -> list[str]:
 def _op_section(op: str, timings: list[Timing]) -> list[str]:
     lines = [f"## {op}", ""]
     main = [t for t in timings if t.group != "sweep"]
-    sweep = sorted((t for t in timings if "sweep" in t.group), key=lambda t: (t.n, t.dtype))
+    dtypes = list(dict.fromkeys(t.dtype for t in timings))
+    sweep = sorted((t for t in timings if "sweep" in t.group), key=lambda t: (dtypes.index(t.dtype), t.n))
     for direction in ("forward+backward", "forward", "backward"):
         table = fraction_table(main, direction)
         if table:
@@ -920,18 +991,21 @@ def _op_section(op: str, timings: list[Timing]) -> list[str]:
             if table:
                 lines += [f"**{direction}**", ""] + table + [""]
         lines += ["</details>", ""]
-    errors = list(dict.fromkeys(f"{t.impl} {t.dtype} {t.shape} {t.direction}: {t.note[len('error: '):]}"
-                                for t in timings if t.note.startswith("error")))
-    skips = list(dict.fromkeys(f"{t.impl} {t.dtype}: {t.note}" for t in timings
-                               if t.note and not t.note.startswith("error")))
-    if errors:
-        lines += ["Errors:", ""] + [f"- {e}" for e in errors[:30]]
-        if len(errors) > 30:
-            lines.append(f"- ... {len(errors) - 30} more in timings.csv")
-        lines.append("")
-    if skips:
-        lines += ["Not timed (—):", ""] + [f"- {s}" for s in skips] + [""]
+    problems = _problems(timings)
+    if problems:
+        lines += ["Errors (`error`) and cells not timed (`—`):", ""] + problems + [""]
     return lines
+
+
+def _problems(timings: list[Timing]) -> list[str]:
+    """One line per (impl, note): the note, its first cell and how many more share it; errors first."""
+    cells: dict[tuple, list[str]] = {}
+    for t in timings:
+        if t.note:
+            cells.setdefault((t.impl, t.note), []).append(f"{t.dtype} {t.shape} {t.direction}")
+    ordered = sorted(cells.items(), key=lambda item: not item[0][1].startswith("error"))
+    return [f"- {impl}: {note} ({where[0]}{f' and {len(where) - 1} more' if len(where) > 1 else ''})"
+            for (impl, note), where in ordered]
 
 
 def _number(value, digits: int = 1) -> str:
@@ -939,17 +1013,23 @@ def _number(value, digits: int = 1) -> str:
 
 
 def markdown_report(results: Results) -> str:
-    env = results.environment
+    env = dict(results.environment)
+    at_end = env.pop(COPY_AT_END, None)
     copy = results.copy_gb_per_s
     lines = ["# multisoft benchmark", ""]
     lines += [f"- {key}: {value}" for key, value in env.items()]
-    lines += [f"- copy bandwidth (`dst.copy_(src)`, {COPY_BYTES >> 20} MiB, read + write): "
-              f"**{copy:.0f} GB/s**" if copy else "- copy bandwidth: not measured", ""]
+    lines += [f"- copy bandwidth (`dst.copy_(src)`, {COPY_BYTES >> 20} MiB, read + write): **{copy:.0f} GB/s**"
+              + (f" ({at_end} at the end of the run)" if at_end else "") if copy else "- copy bandwidth: not measured",
+              ""]
     lines += ["Each cell is the achieved bandwidth as a fraction of that copy bandwidth (best of a row in "
               "bold). Bytes counted: softmax, log_softmax and block-sparse (over Z·nnz·block² elements): "
               "forward 2, backward 3, forward+backward 5 × elements × element size; cross-entropy: 1, 2, 3 × "
               "M·V × element size. A fused implementation can pass 1.0 on forward+backward. "
               "Milliseconds and GB/s are in `timings.csv`; `—` = not timed (listed under each table).", ""]
+    if env.get("timing", "").startswith(("triton.testing.do_bench", "torch.cuda.Event")):
+        lines += ["These times include host overhead wherever the host launches a call more slowly than the GPU "
+                  "runs it (small tensors, forward+backward through autograd); `--timer queued` times the GPU "
+                  "work only.", ""]
     ops = list(dict.fromkeys(t.op for t in results.timings if t.role != "copy"))
     for op in ops:
         lines += _op_section(op, [t for t in results.timings if t.op == op])

@@ -30,6 +30,16 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
+def _fresh_registry_caches():
+    """Tests that patch a backend's availability must not see answers cached by earlier tests."""
+    from multisoft._registry import clear_caches
+
+    clear_caches()
+    yield
+    clear_caches()
+
+
+@pytest.fixture(autouse=True)
 def _fresh_random_inputs(request):
     """A different but reproducible seed per test, so no two tests share inputs."""
     torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))

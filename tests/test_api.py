@@ -100,7 +100,6 @@ def test_unknown_backend_lists_known_ones():
 
 def test_named_backend_that_cannot_run_raises_with_reason(monkeypatch):
     backend = _registry.get_backend("torch")
-    monkeypatch.setattr(backend, "_reasons", {})
     monkeypatch.setattr(backend.module, "unavailable_reason", lambda device, dtype: "no CUDA device")
     with pytest.raises(multisoft.BackendUnavailableError, match="no CUDA device"):
         multisoft.softmax(torch.randn(2, 2), backend="torch")
@@ -108,7 +107,6 @@ def test_named_backend_that_cannot_run_raises_with_reason(monkeypatch):
 
 def test_missing_framework_says_how_to_install(monkeypatch):
     backend = _registry.get_backend("torch")
-    monkeypatch.setattr(backend, "_reasons", {})
     monkeypatch.setattr(backend.module, "version", lambda: None)
     with pytest.raises(multisoft.BackendUnavailableError, match="not installed.*pip install"):
         multisoft.softmax(torch.randn(2, 2), backend="torch")
