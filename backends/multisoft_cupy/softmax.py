@@ -1,0 +1,29 @@
+"""Row softmax and log_softmax through the CUDA kernels of softmax.cu."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _catalog
+from ._module import aligned, ctype, device_index, device_info, i32, i64, launch, ptr
+
+SOURCE = "softmax.cu"
+
+
+def _run(direction: str, tensors: list[torch.Tensor], out: torch.Tensor, log: bool) -> None:
+    rows, cols = out.shape
+    elem = out.element_size()
+    cc, _ = device_info(device_index(out))
+    cfg = _catalog.softmax_config(direction, cols, elem, cc)
+    vec = cols % (16 // elem) == 0 and aligned(*tensors, out)
+    args = (*(ptr(t) for t in tensors), ptr(out), i64(rows), i64(cols), i32(log), i32(vec))
+    launch(out, SOURCE, _catalog.softmax_kernel(direction, ctype(out.dtype), cfg),
+           (_catalog.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
+
+
+def forward(x: torch.Tensor, out: torch.Tensor, log: bool) -> None:
+    _run("fwd", [x], out, log)
+
+
+def backward(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, log: bool) -> None:
+    _run("bwd", [y, dy], dx, log)

@@ -1,0 +1,324 @@
+"""CuPy backend: description without the framework (runs anywhere) and GPU behaviour (skips without CUDA + cupy).
+
+The kernels are called directly through the backend contract, against float64
+references written here, so these tests do not depend on the front.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
+import multisoft_cupy  # noqa: E402
+from multisoft_cupy import _catalog  # noqa: E402
+
+HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-4, 2e-3), torch.bfloat16: (1e-3, 1.6e-2)}
+
+
+# ---- float64 references and checks (also used by benchmarks/_cupy_probe.py) ----
+
+def max_ratio(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """max |actual - expected| / (atol + rtol |expected|); matching NaNs / infinities count as equal."""
+    atol, rtol = TOLERANCES[dtype]
+    a, e = actual.double(), expected.double()
+    same = (a == e) | (a.isnan() & e.isnan())
+    err = torch.where(same, 0.0, (a - e).abs())
+    return float((err / (atol + rtol * e.abs().nan_to_num(posinf=0.0))).max())
+
+
+def check(actual, expected, dtype, what) -> float:
+    ratio = max_ratio(actual, expected, dtype)
+    assert ratio <= 1.0, f"{what}: error is {ratio:.3g} x the tolerance"
+    return ratio
+
+
+def ce_reference(logits, target, weight, ignore_index, eps):
+    """(loss per row, lse, d loss_i / d logits_i) in float64; rows with invalid targets get NaN loss."""
+    x = logits.double()
+    rows, classes = x.shape
+    t = target.long()
+    ignored = t == ignore_index
+    invalid = ~ignored & ((t < 0) | (t >= classes))
+    safe = torch.where(ignored | invalid, 0, t)
+    w = weight.double() if weight is not None else torch.ones(classes, dtype=torch.float64, device=x.device)
+    lse = x.logsumexp(-1)
+    p = (x - lse[:, None]).exp()
+    wt = w[safe]
+    loss = (1 - eps) * wt * (lse - x.gather(1, safe[:, None])[:, 0]) + eps / classes * (w * (lse[:, None] - x)).sum(-1)
+    loss = torch.where(ignored, 0.0, torch.where(invalid, float("nan"), loss))
+    one_hot = torch.zeros_like(p).scatter_(1, safe[:, None], 1.0)
+    grad = (1 - eps) * wt[:, None] * (p - one_hot) + eps / classes * (w.sum() * p - w)
+    grad = torch.where((ignored | invalid)[:, None], 0.0, grad)
+    return loss, lse, grad
+
+
+def make_lut(layout: torch.Tensor, block: int, device) -> SimpleNamespace:
+    heads, block_rows, block_cols = layout.shape
+    nonzero = layout.nonzero()
+    counts = layout.sum(-1).flatten()
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return SimpleNamespace(
+        block=block, heads=heads, block_rows=block_rows, block_cols=block_cols, nnz=nonzero.shape[0],
+        max_blocks=int(counts.max()), offsets=offsets.to(device, torch.int32),
+        columns=nonzero[:, 2].to(device, torch.int32),
+        rows=(nonzero[:, 0] * block_rows + nonzero[:, 1]).to(device, torch.int32))
+
+
+def blocksparse_reference(x, layout, block, scale, is_causal):
+    """softmax over each block-row's blocks in float64, via the dense matrix; fully masked rows give 0."""
+    z = x.shape[0]
+    heads, mb, nb = layout.shape
+    nz = layout.nonzero()
+    dense = torch.full((z, heads, mb * block, nb * block), float("-inf"), dtype=torch.float64, device=x.device)
+    view = dense.view(z, heads, mb, block, nb, block)
+    view[:, nz[:, 0], nz[:, 1], :, nz[:, 2], :] = x.double().transpose(0, 1) * scale
+    if is_causal:
+        row = torch.arange(mb * block, device=x.device)
+        col = torch.arange(nb * block, device=x.device)
+        dense.masked_fill_(col[None, :] > row[:, None], float("-inf"))
+    y = torch.softmax(dense, -1).nan_to_num(nan=0.0)
+    return y.view(z, heads, mb, block, nb, block)[:, nz[:, 0], nz[:, 1], :, nz[:, 2], :].transpose(0, 1)
+
+
+def random_layout(heads, mb, nb, generator=None, empty_row=True):
+    layout = (torch.rand(heads, mb, nb, generator=generator) < 0.4).long()
+    layout[:, :, 0] = 1
+    if empty_row and mb > 1:
+        layout[0, 1] = 0  # a block-row without blocks
+    return layout
+
+
+# ---- no GPU needed ----
+
+def test_description_without_cupy_import():
+    code = ("import sys, torch; sys.path.insert(0, 'backends'); import multisoft_cupy as m; "
+            "r = m.unavailable_reason(torch.device('cpu'), torch.float32); "
+            "assert r == 'CuPy runs only on CUDA devices', r; "
+            "assert m.NAME == 'cupy' and m.PRIORITY == 200; m.version(); "
+            "assert 'cupy' not in sys.modules, 'imported cupy'")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+def test_version_is_installed_distribution_or_none():
+    v = multisoft_cupy.version()
+    assert v is None or v[0].isdigit()
+    if importlib.util.find_spec("cupy") is None:
+        reason = multisoft_cupy.unavailable_reason(torch.device("cuda", 0), torch.float32)
+        assert reason is not None
+
+
+@pytest.mark.parametrize("elem", [4, 2])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("cc", [80, 90])
+def test_softmax_config_is_compiled_and_loops_little(direction, cc, elem):
+    widest = max(c.capacity(elem) for c in _catalog.SOFTMAX_CONFIGS if c.cluster == 1 or cc >= 90)
+    for cols in (1, 7, 128, 1000, 1024, 4096, 5000, 32768, 131072, 262144, 1 << 20):
+        cfg = _catalog.softmax_config(direction, cols, elem, cc)
+        assert cfg in _catalog.SOFTMAX_CONFIGS
+        assert 4 * cfg.capacity(elem) >= min(cols, widest), (cols, cfg)
+        assert cc >= 90 or cfg.cluster == 1
+        assert _catalog.softmax_kernel(direction, "float", cfg) in _catalog.expressions("softmax.cu", "float", cc)
+
+
+def test_expressions_cover_chosen_kernels():
+    for cc in (80, 90):
+        for rows, classes in ((1, 10), (64, 262144), (8192, 32000)):
+            cfg = _catalog.ce_fwd_config(rows, classes, 2, cc, 132)
+            assert _catalog.ce_fwd_kernel("bf16_t", "long long", cfg) in _catalog.expressions(
+                "cross_entropy.cu", "bf16_t", cc)
+        assert not any("cluster" in e for s in _catalog.SOURCES for e in _catalog.expressions(s, "float", 80))
+
+
+def _kernel_parameters(source: str, name: str) -> list[str]:
+    """C types of the parameters of kernel template `name` in `source`."""
+    import re
+    code = (_catalog.PACKAGE_DIR / source).read_text()
+    match = re.search(r"\)\s+" + name + r"\(([^)]*)\)", code)
+    assert match, name
+    return [" ".join(p.split()[:-1]) for p in match.group(1).split(",")]
+
+
+_NUMPY_FOR_C = {"i64": "int64", "int": "int32", "float": "float32"}
+
+
+def test_launch_arguments_match_kernel_signatures(monkeypatch):
+    """RawKernel checks nothing: every argument's numpy type must match the C parameter."""
+    import types
+
+    if importlib.util.find_spec("cupy") is None:
+        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    from multisoft_cupy import _module, blocksparse, cross_entropy, softmax
+
+    calls = []
+    monkeypatch.setattr(_module, "launch", lambda t, src, expr, grid, block, args: calls.append((src, expr, args)))
+    for mod in (softmax, cross_entropy, blocksparse):
+        monkeypatch.setattr(mod, "launch", _module.launch, raising=True)
+    for mod in (softmax, cross_entropy):
+        monkeypatch.setattr(mod, "device_info", lambda index: (90, 132))
+        monkeypatch.setattr(mod, "device_index", lambda t: 0)
+    x = torch.randn(4, 300)
+    softmax.forward(x, torch.empty_like(x), True)
+    softmax.backward(x, x, torch.empty_like(x), False)
+    target = torch.zeros(4, dtype=torch.int64)
+    w = torch.ones(300)
+    cross_entropy.forward(x, target, w, torch.empty(4), torch.empty(4), -100, 0.1)
+    cross_entropy.backward(x, target, None, None, torch.empty(4), torch.empty(4), x, -100, 0.0)
+    layout = torch.ones(1, 2, 2, dtype=torch.long)
+    lut = make_lut(layout, 16, "cpu")
+    xb = torch.randn(1, lut.nnz, 16, 16)
+    blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
+    blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
+    assert len(calls) == 6
+    for source, expression, args in calls:
+        params = _kernel_parameters(source, expression.split("<")[0])
+        assert len(params) == len(args), expression
+        for param, arg in zip(params, args):
+            expected = "uint64" if param.endswith("*") else _NUMPY_FOR_C[param.replace("const ", "")]
+            assert type(arg).__name__ == expected, (expression, param, type(arg))
+
+
+# ---- GPU ----
+
+def _device(index=0):
+    return torch.device("cuda", index)
+
+
+def _kernels():
+    from multisoft_cupy import blocksparse, cross_entropy, softmax
+    return softmax, cross_entropy, blocksparse
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 1), (5, 7), (4, 1000), (2, 4099), (3, 40000), (2, 262144 + 3)])
+def test_softmax_matches_float64(shape, dtype):
+    softmax, _, _ = _kernels()
+    x = torch.randn(shape, device=_device()).mul(4).to(dtype)
+    dy = torch.randn(shape, device=_device()).to(dtype)
+    for log in (False, True):
+        y = torch.empty_like(x)
+        softmax.forward(x, y, log)
+        ref = torch.log_softmax(x.double(), -1) if log else torch.softmax(x.double(), -1)
+        check(y, ref, dtype, f"forward log={log}")
+        dx = torch.empty_like(x)
+        softmax.backward(y, dy, dx, log)
+        y64, dy64 = y.double(), dy.double()
+        ref_dx = dy64 - y64.exp() * dy64.sum(-1, keepdim=True) if log else y64 * (dy64 - (y64 * dy64).sum(-1, True))
+        check(dx, ref_dx, dtype, f"backward log={log}")
+
+
+@gpu
+def test_softmax_unaligned_rows_and_all_inf_row():
+    softmax, _, _ = _kernels()
+    base = torch.randn(3 * 4096 + 1, device=_device())
+    x = base[1:].view(3, 4096)  # data pointer 4 bytes past a 16-byte boundary: scalar path
+    x[1] = float("-inf")
+    y = torch.empty_like(x)
+    softmax.forward(x, y, False)
+    assert y[1].isnan().all()
+    check(y[[0, 2]], torch.softmax(x[[0, 2]].double(), -1), torch.float32, "unaligned")
+
+
+@gpu
+def test_non_default_stream_interleaved_with_torch_work():
+    softmax, cross_entropy, _ = _kernels()
+    side = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device=_device())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            a = a @ a.T / 64  # long torch work queued before the kernels on the same stream
+        x = a[:2048].contiguous()
+        y = torch.empty_like(x)
+        softmax.forward(x, y, True)
+        z = y * 2  # torch reads the kernel's output on that stream
+        target = torch.randint(0, 4096, (2048,), device=_device())
+        loss = torch.empty(2048, device=_device())
+        lse = torch.empty(2048, device=_device())
+        cross_entropy.forward(x, target, None, loss, lse, -100, 0.0)
+        total = loss.sum()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    check(z, 2 * torch.log_softmax(x.double(), -1), torch.float32, "stream softmax")
+    check(total, ce_reference(x, target, None, -100, 0.0)[0].sum(), torch.float32, "stream loss")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
+def test_cross_entropy_invalid_targets_and_in_place(dtype, target_dtype):
+    _, cross_entropy, _ = _kernels()
+    rows, classes = 9, 32003
+    logits = torch.randn(rows, classes, device=_device()).to(dtype)
+    target = torch.randint(0, classes, (rows,), device=_device())
+    target[1] = -100                    # ignored
+    target[2] = classes                 # invalid, one past the end
+    target[3] = -5                      # invalid, negative
+    target[4] = 2**40 if target_dtype == torch.int64 else 2**31 - 1
+    target = target.to(target_dtype)
+    weight = torch.rand(classes, device=_device())
+    loss = torch.empty(rows, device=_device())
+    lse = torch.empty(rows, device=_device())
+    cross_entropy.forward(logits, target, weight, loss, lse, -100, 0.1)
+    ref_loss, ref_lse, ref_grad = ce_reference(logits, target, weight, -100, 0.1)
+    assert loss[[2, 3, 4]].isnan().all() and loss[1] == 0
+    check(loss, ref_loss, torch.float32, "loss")
+    check(lse, ref_lse, torch.float32, "lse")
+    grad_loss = torch.rand(rows, device=_device())
+    valid = [0, 1, 5, 6, 7, 8]
+    expected = (ref_grad * grad_loss.double()[:, None])[valid]
+    original = logits.clone()
+    cross_entropy.backward(logits, target, weight, weight.sum().view(1), lse, grad_loss, logits, -100, 0.1)
+    check(logits[valid], expected, dtype, "in-place gradient")
+    grad = torch.empty_like(original)
+    cross_entropy.backward(original, target, weight, weight.sum().view(1), lse, grad_loss, grad, -100, 0.1)
+    assert torch.equal(grad[valid], logits[valid])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block", [16, 64])
+def test_blocksparse_causal_matches_float64(block, dtype):
+    _, _, blocksparse = _kernels()
+    g = torch.Generator().manual_seed(block)
+    layout = random_layout(2, 5, 5, g)
+    lut = make_lut(layout, block, _device())
+    x = torch.randn(3, lut.nnz, block, block, device=_device()).to(dtype)
+    dy = torch.randn_like(x)
+    for causal in (False, True):
+        y = torch.empty_like(x)
+        blocksparse.forward(x, y, lut, 0.5, causal)
+        ref = blocksparse_reference(x, layout.to(_device()), block, 0.5, causal)
+        check(y, ref, dtype, f"blocksparse causal={causal}")
+        dx = torch.empty_like(x)
+        blocksparse.backward(y, dy, dx, lut, 0.5)
+        y64, dy64 = y.double(), dy.double()
+        rowdot = torch.zeros(3, lut.heads * lut.block_rows, block, dtype=torch.float64, device=_device())
+        rowdot.index_add_(1, lut.rows.long(), (y64 * dy64).sum(-1))
+        check(dx, 0.5 * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None]), dtype, "blocksparse backward")
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_device():
+    softmax, cross_entropy, _ = _kernels()
+    dev = _device(1)
+    x = torch.randn(64, 5000, device=dev)
+    y = torch.empty_like(x)
+    with torch.cuda.device(0):  # the current device differs from the tensors'
+        softmax.forward(x, y, False)
+        target = torch.randint(0, 5000, (64,), device=dev)
+        loss, lse = torch.empty(64, device=dev), torch.empty(64, device=dev)
+        cross_entropy.forward(x, target, None, loss, lse, -100, 0.0)
+    check(y, torch.softmax(x.double(), -1), torch.float32, "cuda:1 softmax")
+    check(loss, ce_reference(x, target, None, -100, 0.0)[0], torch.float32, "cuda:1 loss")
