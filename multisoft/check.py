@@ -22,18 +22,26 @@ TOLERANCES = {
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def error_ratio(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
-    """(max |actual - expected|, max of that over atol + rtol * |expected|); equal infinities and NaNs match."""
+def error_ratio(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                magnitude: torch.Tensor | None = None) -> tuple[float, float]:
+    """(max |actual - expected|, max of that over atol + rtol * magnitude); equal infinities and NaNs match.
+
+    ``magnitude`` defaults to |expected|. A result that is a difference of larger
+    terms (a backward's ``dy - p * sum(dy)``) passes the terms' size instead: float
+    arithmetic can only promise a relative error of the terms, not of what is
+    left after they cancel.
+    """
     atol, rtol = TOLERANCES[dtype]
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     if a.shape != e.shape:
         raise AssertionError(f"shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    m = e.abs() if magnitude is None else magnitude.detach().to("cpu", torch.float64)
     same = (torch.isnan(a) & torch.isnan(e)) | (a == e)
     error = torch.where(same, 0.0, (a - e).abs().nan_to_num(float("inf")))
     if error.numel() == 0:
         return 0.0, 0.0
-    return error.max().item(), (error / (atol + rtol * e.abs().nan_to_num(0.0))).max().item()
+    return error.max().item(), (error / (atol + rtol * m.nan_to_num(0.0))).max().item()
 
 
 # -- float64 references
@@ -46,10 +54,21 @@ def reference_softmax(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
 
 def reference_softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """The backward as a function of the forward's output, in float64 (gradcheck ties it to the derivative)."""
+    return _softmax_backward_terms(y, dy, dim, log)[0]
+
+
+def softmax_backward_magnitude(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """The size of the terms whose difference the backward is (see ``error_ratio``)."""
+    return _softmax_backward_terms(y, dy, dim, log)[1]
+
+
+def _softmax_backward_terms(y, dy, dim, log):
     y64, dy64 = y.detach().double(), dy.detach().double()
     if log:
-        return dy64 - y64.exp() * dy64.sum(dim, keepdim=True)
-    return y64 * (dy64 - (y64 * dy64).sum(dim, keepdim=True))
+        carried = y64.exp() * dy64.sum(dim, keepdim=True)
+        return dy64 - carried, dy64.abs() + carried.abs()
+    total = (y64 * dy64).sum(dim, keepdim=True)
+    return y64 * (dy64 - total), y64.abs() * (dy64.abs() + total.abs())
 
 
 def reference_cross_entropy(logits, target, **kwargs) -> torch.Tensor:
@@ -71,14 +90,15 @@ def reference_blocksparse(x, layout, block, scale, is_causal) -> torch.Tensor:
     return blocksparse_from_dense(y, layout, block)
 
 
-def reference_blocksparse_backward(y, dy, layout, block, scale) -> torch.Tensor:
-    """dx = scale * y * (dy - rowsum(y * dy)) in float64, from the forward's output."""
+def reference_blocksparse_backward(y, dy, layout, block, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx = scale * y * (dy - rowsum(y * dy)) in float64, from the forward's output, and its terms' size."""
     from ._blocksparse import blocksparse_from_dense, blocksparse_to_dense
 
     y64 = blocksparse_to_dense(y.detach().double(), layout, block)
     dy64 = blocksparse_to_dense(dy.detach().double(), layout, block)
-    dx = scale * y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
-    return blocksparse_from_dense(dx, layout, block)
+    dx, magnitude = _softmax_backward_terms(y64, dy64, -1, False)
+    return blocksparse_from_dense(scale * dx, layout, block), blocksparse_from_dense(abs(scale) * magnitude, layout,
+                                                                                     block)
 
 
 # -- the check command
@@ -116,8 +136,9 @@ def _cases(device: torch.device, small: bool):
             op = multisoft.log_softmax if log else multisoft.softmax
             y = op(x, backend=backend)
             (dx,) = torch.autograd.grad(y, x, dy)
-            return {"forward": (y, reference_softmax(x.detach(), -1, log)),
-                    "backward": (dx, reference_softmax_backward(y, dy, -1, log))}
+            return {"forward": (y, reference_softmax(x.detach(), -1, log), None),
+                    "backward": (dx, reference_softmax_backward(y, dy, -1, log),
+                                 softmax_backward_magnitude(y, dy, -1, log))}
         return run
 
     def ce_case(shape):
@@ -135,7 +156,7 @@ def _cases(device: torch.device, small: bool):
             logits64 = logits.detach().double().requires_grad_()
             expected = reference_cross_entropy(logits64, target, **kwargs)
             (expected_grad,) = torch.autograd.grad(expected, logits64)
-            return {"forward": (loss, expected), "backward": (grad, expected_grad)}
+            return {"forward": (loss, expected, None), "backward": (grad, expected_grad, None)}
         return run
 
     def bs_case(block, heads, block_rows):
@@ -148,8 +169,8 @@ def _cases(device: torch.device, small: bool):
             dy = torch.randn(2, nnz, block, block, generator=gen).to(device, dtype)
             y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=True, backend=backend)
             (dx,) = torch.autograd.grad(y, x, dy)
-            return {"forward": (y, reference_blocksparse(x.detach(), layout, block, 0.5, True)),
-                    "backward": (dx, reference_blocksparse_backward(y, dy, layout, block, 0.5))}
+            return {"forward": (y, reference_blocksparse(x.detach(), layout, block, 0.5, True), None),
+                    "backward": (dx, *reference_blocksparse_backward(y, dy, layout, block, 0.5))}
         return run
 
     for shape, log in itertools.product(soft_shapes, (False, True)):
@@ -172,12 +193,12 @@ def run_check(device: torch.device, backends: list[str], small: bool) -> list[Ro
                                 error=f"{type(error).__name__}: {error}"[:120]))
         for direction in ("forward", "backward"):
             for backend, results in outputs.items():
-                value, expected = results[direction]
+                value, expected, magnitude = results[direction]
                 row = Row(f"{op} {direction}", backend, str(dtype).replace("torch.", ""), shape)
-                row.max_error, row.ratio = error_ratio(value, expected, dtype)
+                row.max_error, row.ratio = error_ratio(value, expected, dtype, magnitude)
                 for other, other_results in outputs.items():
                     if other != backend:
-                        _, ratio = error_ratio(value, other_results[direction][0], dtype)
+                        _, ratio = error_ratio(value, other_results[direction][0], dtype, magnitude)
                         row.peer_ratio = max(row.peer_ratio, ratio / 2)
                 rows.append(row)
     return rows

@@ -13,7 +13,7 @@ import torch
 from multisoft._registry import _default_backends
 from multisoft.check import (DTYPES, TOLERANCES, error_ratio, reference_blocksparse,  # noqa: F401
                              reference_blocksparse_backward, reference_cross_entropy, reference_softmax,
-                             reference_softmax_backward)
+                             reference_softmax_backward, softmax_backward_magnitude)
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -30,8 +30,9 @@ def simulated(backend: str) -> bool:
     return not ON_GPU and backend != "torch"
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    """Elementwise |actual - expected| <= atol + rtol * |expected| with the dtype's tolerances."""
-    max_error, ratio = error_ratio(actual, expected, dtype)
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
+                 magnitude: torch.Tensor | None = None) -> None:
+    """Elementwise |actual - expected| <= atol + rtol * magnitude (default |expected|), the dtype's tolerances."""
+    max_error, ratio = error_ratio(actual, expected, dtype, magnitude)
     atol, rtol = TOLERANCES[dtype]
     assert ratio <= 1.0, f"{what}: max error {max_error:.3g} is {ratio:.3g} x the tolerance (atol={atol}, rtol={rtol})"

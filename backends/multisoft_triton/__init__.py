@@ -1,0 +1,50 @@
+"""Triton backend: the primary GPU kernels of multisoft.
+
+Importing this package does not import triton; the kernel modules do, on first use.
+"""
+import importlib.metadata
+import importlib.util
+import os
+
+NAME = "triton"
+PRIORITY = 300
+INSTALL = "pip install 'multisoft[triton]'"
+
+
+def version():
+    """The installed triton version, or None when triton is not installed."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unavailable_reason(device, dtype):
+    """Why triton cannot run on `device`/`dtype`, or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return f"triton is not installed ({INSTALL})"
+    if dtype is not None and str(dtype) not in ("torch.float32", "torch.float16", "torch.bfloat16"):
+        return f"dtype {dtype} is not supported (float32, float16, bfloat16)"
+    kind = getattr(device, "type", str(device).split(":")[0])
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "torch.cuda is not available"
+        return None
+    if kind == "cpu":
+        if _interpreting():
+            return None
+        return "CPU tensors need TRITON_INTERPRET=1 (the triton interpreter)"
+    return f"device type {kind!r} is not supported"
+
+
+def notes():
+    lines = []
+    if _interpreting():
+        lines.append("TRITON_INTERPRET=1: kernels run in the triton interpreter on CPU (slow)")
+    return lines

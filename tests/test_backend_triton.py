@@ -1,0 +1,155 @@
+"""Triton backend specifics: availability rules, invalid targets, long-row paths, streams and devices."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+multisoft_triton = pytest.importorskip("multisoft_triton")
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+RUNS = multisoft_triton.unavailable_reason(DEVICE, torch.float32) is None
+needs_kernels = pytest.mark.skipif(not RUNS, reason="triton cannot run here (no CUDA, no TRITON_INTERPRET=1)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not RUNS, reason="needs CUDA and triton")
+
+
+def test_description():
+    assert multisoft_triton.NAME == "triton"
+    assert multisoft_triton.PRIORITY == 300
+    assert "multisoft[triton]" in multisoft_triton.INSTALL
+
+
+def test_import_does_not_import_triton():
+    code = "import sys, multisoft_triton; multisoft_triton.version(); print('triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.strip() == "False"
+
+
+def test_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    assert multisoft_triton.version()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET" in multisoft_triton.unavailable_reason(torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert multisoft_triton.unavailable_reason(torch.device("cpu"), torch.bfloat16) is None
+    assert multisoft_triton.unavailable_reason(torch.device("cpu"), torch.float64) is not None
+
+
+def _reference_lse_loss(logits, target):
+    x = logits.double()
+    lse = x.logsumexp(1)
+    valid = (target >= 0) & (target < x.shape[1])
+    picked = x.gather(1, target.clamp(0, x.shape[1] - 1).long().unsqueeze(1)).squeeze(1)
+    return lse, torch.where(valid, lse - picked, float("nan"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("classes", [5, 300, 9000])
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
+def test_invalid_targets_are_never_read(classes, target_dtype):
+    from multisoft_triton import cross_entropy
+
+    rows = 6
+    logits = torch.randn(rows, classes, device=DEVICE)
+    far = 2**40 if target_dtype == torch.int64 else 2**30
+    target = torch.tensor([0, classes, -1, far, -far, classes - 1], dtype=target_dtype, device=DEVICE)
+    loss = torch.empty(rows, device=DEVICE)
+    lse = torch.empty(rows, device=DEVICE)
+    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.1)
+    grad = torch.empty_like(logits)
+    cross_entropy.backward(logits, target, None, None, lse, torch.ones(rows, device=DEVICE), grad, -100, 0.1)
+    expected_lse, _ = _reference_lse_loss(logits, target)
+    torch.testing.assert_close(lse.double().cpu(), expected_lse.cpu(), atol=1e-5, rtol=1e-5)
+    assert loss[1:5].isnan().all()
+    assert not loss[[0, 5]].isnan().any()
+
+
+@needs_kernels
+def test_cross_entropy_backward_in_place():
+    from multisoft_triton import cross_entropy
+
+    logits = torch.randn(7, 1000, device=DEVICE, dtype=torch.bfloat16)
+    target = torch.randint(0, 1000, (7,), device=DEVICE)
+    target[2] = -100
+    weight = torch.rand(1000, device=DEVICE)
+    loss, lse = torch.empty(7, device=DEVICE), torch.empty(7, device=DEVICE)
+    cross_entropy.forward(logits, target, weight, loss, lse, -100, 0.2)
+    grad_loss = torch.randn(7, device=DEVICE)
+    args = (target, weight, weight.sum().reshape(1), lse, grad_loss)
+    separate = torch.empty_like(logits)
+    cross_entropy.backward(logits, *args, separate, -100, 0.2)
+    cross_entropy.backward(logits, *args, logits, -100, 0.2)
+    assert torch.equal(logits, separate)
+    assert (separate[2] == 0).all()
+
+
+def _check_softmax(x, log):
+    from multisoft.check import error_ratio, reference_softmax, reference_softmax_backward, softmax_backward_magnitude
+    from multisoft_triton import softmax
+
+    out = torch.empty_like(x)
+    softmax.forward(x, out, log)
+    _, ratio = error_ratio(out, reference_softmax(x, -1, log), x.dtype)
+    assert ratio <= 1, f"forward: {ratio:.3g} x the tolerance"
+    dy = torch.randn_like(x)
+    dx = torch.empty_like(x)
+    softmax.backward(out, dy, dx, log)
+    _, ratio = error_ratio(dx, reference_softmax_backward(out, dy, -1, log), x.dtype,
+                           softmax_backward_magnitude(out, dy, -1, log))
+    assert ratio <= 1, f"backward: {ratio:.3g} x the tolerance"
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True])
+def test_long_rows_loop_path(log, monkeypatch):
+    from multisoft_triton import softmax
+
+    monkeypatch.setattr(softmax, "SPLIT_CONFIGS", ())
+    x = torch.randn(2, 70001, device=DEVICE) * 4
+    x[0, ::7] = float("-inf")
+    _check_softmax(x, log)
+
+
+@needs_cuda
+@pytest.mark.parametrize("columns", [32768, 32769, 131072, 262147, 1 << 20])
+@pytest.mark.parametrize("log", [False, True])
+def test_long_rows_split_path(columns, log):
+    x = torch.randn(3, columns, device="cuda") * 4
+    x[1, ::5] = float("-inf")
+    _check_softmax(x, log)
+
+
+@needs_cuda
+def test_launches_on_the_current_stream():
+    from multisoft_triton import softmax
+
+    x = torch.randn(256, 4096, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    softmax.forward(x, torch.empty_like(x), False)  # compile first: the side stream must still be asleep below
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(500_000_000)
+        softmax.forward(x, out, False)
+    seen_early = out.clone()
+    torch.cuda.current_stream().synchronize()
+    assert seen_early.isnan().all(), "the kernel did not wait for the side stream"
+    side.synchronize()
+    torch.testing.assert_close(out.double(), torch.softmax(x.double(), -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not RUNS, reason="needs two CUDA devices")
+def test_second_device():
+    from multisoft_triton import cross_entropy
+
+    torch.cuda.set_device(0)
+    logits = torch.randn(64, 32000, device="cuda:1")
+    target = torch.randint(0, 32000, (64,), device="cuda:1")
+    loss, lse = torch.empty(64, device="cuda:1"), torch.empty(64, device="cuda:1")
+    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.0)
+    expected_lse, expected_loss = _reference_lse_loss(logits, target)
+    torch.testing.assert_close(loss.double(), expected_loss, atol=1e-5, rtol=1e-5)
+    _check_softmax(torch.randn(5, 300000, device="cuda:1"), False)

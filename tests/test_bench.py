@@ -1,0 +1,309 @@
+"""The benchmark command: its no-GPU path and its pure-python parts (bytes, plans, reports, plots)."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multisoft import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _without_cuda_env():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "backends"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=_without_cuda_env(),
+                          cwd=ROOT, timeout=300)
+
+
+def test_without_gpu_says_so_and_exits_zero(tmp_path):
+    out = tmp_path / "results"
+    done = _run("-c", f"import multisoft.bench as b; raise SystemExit(b.main(['--out', {str(out)!r}]))")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == bench.NO_GPU_MESSAGE
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+def test_command_line_without_gpu():
+    if not (ROOT / "multisoft" / "__main__.py").exists():
+        pytest.skip("python -m multisoft is not there yet")
+    done = _run("-m", "multisoft", "bench", "--quick")
+    assert done.returncode == 0, done.stderr
+    assert bench.NO_GPU_MESSAGE in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_import_is_light():
+    # torch itself may import triton; multisoft.bench must add none of these.
+    done = _run("-c", "import sys, torch; before = set(sys.modules); import multisoft.bench; "
+                      "print(sorted(m for m in ('triton', 'matplotlib', 'cupy', 'numba', 'liger_kernel') "
+                      "if m in sys.modules and m not in before))")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_bad_arguments_give_status_2(capsys):
+    assert bench.main(["--ops", "softmax,nope"]) == 2
+    assert "unknown op 'nope'" in capsys.readouterr().err
+    assert bench.main(["--dtypes", "int8"]) == 2
+
+
+def test_arguments():
+    args = bench.parse_args(["--ops", "blocksparse, ce,softmax", "--dtypes", "bf16", "--fp16", "--quick"])
+    assert args.ops == ["blocksparse_softmax", "cross_entropy", "softmax"]
+    assert args.dtypes == ["bf16", "fp16"]
+    assert args.timer == "do_bench"
+    args = bench.parse_args(["--backends", "triton,torch", "--timer", "queued"])
+    assert args.timer == "queued"
+    assert args.ops == list(bench.OPS) and args.dtypes == ["fp32", "bf16"] and args.backends == ["triton", "torch"]
+    assert (args.warmup, args.rep) == (5.0, 25.0)
+
+
+@pytest.mark.parametrize("op, factors", [
+    ("softmax", (2, 3, 5)), ("log_softmax", (2, 3, 5)), ("blocksparse_softmax", (2, 3, 5)),
+    ("cross_entropy", (1, 2, 3)),
+])
+def test_bytes_moved(op, factors):
+    for direction, factor in zip(bench.DIRECTIONS, factors):
+        assert bench.bytes_moved(op, direction, 1000, 2) == factor * 1000 * 2
+    assert bench.bytes_moved(op, "forward", 16384 * 4096, 4) == factors[0] * 16384 * 4096 * 4
+
+
+def test_gb_per_s():
+    assert bench.gb_per_s(2_000_000_000, 1.0) == pytest.approx(2000.0)
+
+
+def test_sweep_shapes_cover_256_to_1m_at_64m_elements():
+    shapes = bench.sweep_shapes(bench.SWEEP_COLS)
+    assert [n for _, n in shapes] == [2 ** k for k in range(8, 21)]
+    assert all(64 << 20 <= m * n <= 128 << 20 for m, n in shapes)
+
+
+def test_dense_cases_measure_a_shared_shape_once():
+    cases = bench.dense_cases("softmax", bench.HEADLINE, bench.sweep_shapes(bench.SWEEP_COLS))
+    labels = [c.label for c in cases]
+    assert len(labels) == len(set(labels))
+    assert labels[:5] == ["32768x1024", "16384x4096", "4096x32768", "1024x131072", "512x262144"]
+    groups = {c.label: c.group for c in cases}
+    assert groups["16384x4096"] == "headline,sweep"
+    assert groups["32768x1024"] == "headline"
+    assert groups["256x262144"] == "sweep"
+    assert all(c.elements == c.shape[0] * c.shape[1] and c.n == c.shape[1] for c in cases)
+
+
+@pytest.mark.parametrize("block, density, causal", [(16, 0.1, False), (64, 0.25, True), (128, 0.5, True)])
+def test_layouts(block, density, causal):
+    import torch
+
+    layout = bench.make_layout(block, density, causal, 4, 2048)
+    blocks = 2048 // block
+    assert layout.shape == (4, blocks, blocks)
+    assert set(layout.unique().tolist()) <= {0, 1}
+    assert bool((layout.diagonal(dim1=1, dim2=2) == 1).all())
+    if causal:
+        assert int(layout.triu(1).sum()) == 0
+    assert abs(layout.float().mean().item() - density) < 0.1
+    assert torch.equal(layout, bench.make_layout(block, density, causal, 4, 2048))
+
+
+def test_blocksparse_cases_count_elements():
+    cases = bench.blocksparse_cases(bench.QUICK_LAYOUTS)
+    assert len(cases) == len(bench.QUICK_LAYOUTS)
+    for case in cases:
+        z, nnz, block, _ = case.shape
+        assert nnz == int(case.layout.sum()) and block == case.block
+        assert case.elements == z * nnz * block * block
+        assert 1 <= z <= 4 and case.elements >= bench.SWEEP_ELEMENTS // 2
+    assert "causal" in cases[1].label and "causal" not in cases[0].label
+
+
+def test_quick_plan_is_small():
+    plan = bench.plan_cases(list(bench.OPS), quick=True)
+    assert set(plan) == set(bench.OPS)
+    assert sum(len(cases) for cases in plan.values()) <= 16
+
+
+def _timing(op, impl, dtype, shape, direction, fraction, role="backend", group="headline", n=0, note=""):
+    copy = 4000.0
+    gbps = None if fraction is None else fraction * copy
+    elements = 1 << 26
+    nbytes = bench.bytes_moved(op, direction, elements, bench.ELEMENT_SIZE[dtype])
+    ms = None if gbps is None else nbytes / (gbps * 1e6)
+    return bench.Timing(op, impl, role, dtype, group, shape, n, direction, ms, nbytes, gbps, fraction, note)
+
+
+def _fake_results():
+    timings = [bench.Timing("copy", "torch", "copy", "-", "copy", "1024 MiB", 0, "copy", 0.5, 2 << 30, 4000.0, 1.0)]
+    for direction in bench.DIRECTIONS:
+        timings += [
+            _timing("softmax", "triton", "bf16", "16384x4096", direction, 0.91),
+            _timing("softmax", "cupy", "bf16", "16384x4096", direction, None, note="error: RuntimeError: boom"),
+            _timing("softmax", "numba", "bf16", "16384x4096", direction, None, note="unavailable: no bf16"),
+            _timing("softmax", "torch-native", "bf16", "16384x4096", direction, 0.75, role="peer"),
+        ]
+        for n, fraction in ((1024, 0.5), (4096, 0.8), (65536, 0.9)):
+            timings += [
+                _timing("softmax", "triton", "bf16", f"{(1 << 26) // n}x{n}", direction, fraction, group="sweep", n=n),
+                _timing("softmax", "torch-native", "bf16", f"{(1 << 26) // n}x{n}", direction, fraction / 2,
+                        role="peer", group="sweep", n=n),
+            ]
+        timings.append(_timing("cross_entropy", "triton", "fp32", "8192x32000", direction, 0.88))
+        liger_note = "Liger computes the gradient in its forward" if direction == "backward" else ""
+        timings.append(_timing("cross_entropy", "liger", "fp32", "8192x32000", direction,
+                               None if liger_note else 0.7, role="peer", note=liger_note))
+    results = bench.Results({"gpu": "Fake GPU", "timing": "fake"}, 4000.0, timings)
+    results.memory = [bench.MemoryRecord("triton", "fp32", "8192x32000", 1000.0, 1000.0),
+                      bench.MemoryRecord("triton inplace", "fp32", "8192x32000", 0.5, 1000.0),
+                      bench.MemoryRecord("numba", "fp32", "8192x32000", None, 1000.0, "error: ImportError: x")]
+    results.first_calls = [bench.FirstCall("triton", "softmax", "forward", "bf16", "16384x4096", 812.5, 0.07)]
+    results.overhead = [bench.Overhead("triton", 21.0, 6.5), bench.Overhead("cupy", None, None, "error: x")]
+    return results
+
+
+def test_reports(tmp_path):
+    results = _fake_results()
+    paths = bench.write_reports(results, tmp_path / "out")
+    names = sorted(p.name for p in paths)
+    assert names == ["first_calls.csv", "memory.csv", "overhead.csv", "results.md", "timings.csv"]
+
+    with open(tmp_path / "out" / "timings.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == len(results.timings)
+    first = rows[1]
+    assert (first["op"], first["impl"], first["direction"], first["shape"]) == \
+        ("softmax", "triton", "forward", "16384x4096")
+    assert float(first["fraction_of_copy"]) == pytest.approx(0.91)
+    assert float(first["gb_per_s"]) == pytest.approx(3640.0)
+    assert rows[2]["ms"] == "" and rows[2]["note"] == "error: RuntimeError: boom"
+    with open(tmp_path / "out" / "overhead.csv", newline="") as handle:
+        overhead = list(csv.DictReader(handle))
+    assert float(overhead[0]["difference_us"]) == pytest.approx(14.5)
+    assert overhead[1]["difference_us"] == ""
+
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "**4000 GB/s**" in text
+    assert "## softmax" in text and "## cross_entropy" in text
+    assert "| shape | dtype | triton | cupy | numba | torch-native |" in text
+    assert "| 16384x4096 | bf16 | **0.91** | error | — | 0.75 |" in text
+    assert "- cupy: error: RuntimeError: boom (bf16 16384x4096 forward and 2 more)" in text
+    assert "- numba: unavailable: no bf16 (bf16 16384x4096 forward and 2 more)" in text
+    assert text.index("- cupy: error") < text.index("- numba: unavailable")
+    assert "| 8192x32000 | fp32 | **0.88** | 0.70 |" in text
+    assert "| 8192x32000 | fp32 | 0.88 | — |" in text
+    assert "| 8192x32000 | fp32 | triton inplace | 0 | 0.00 |" in text
+    assert "| triton | 21.0 | 6.5 | 14.5 |" in text
+    assert "| triton | softmax | forward | bf16 | 16384x4096 | 812.5 | 0.070 |" in text
+    sweep = text[text.index("<details>"):text.index("</details>")]
+    assert sweep.index("| 65536x1024 |") < sweep.index("| 1024x65536 |")
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from multisoft import _plots
+
+    paths = _plots.write_plots(_fake_results(), tmp_path)
+    assert sorted(p.name for p in paths) == ["fraction_of_copy.png", "sweep_softmax.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size > 10_000
+
+
+def _wall_ms(fn):
+    import time
+
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def _failing_backend(monkeypatch):
+    """A backend whose softmax raises when called and which has no cross-entropy module at all."""
+    import types
+
+    package = types.ModuleType("multisoft_failing")
+    package.NAME, package.PRIORITY = "failing", 1
+    package.version = lambda: "0"
+    package.unavailable_reason = lambda device, dtype: None
+    softmax = types.ModuleType("multisoft_failing.softmax")
+
+    def forward(x, out, log):
+        raise RuntimeError("kernel exploded")
+    softmax.forward = softmax.backward = forward
+    monkeypatch.setitem(sys.modules, "multisoft_failing", package)
+    monkeypatch.setitem(sys.modules, "multisoft_failing.softmax", softmax)
+
+
+def test_dry_run_on_cpu(tmp_path, monkeypatch):
+    """The whole run on the CPU with tiny shapes and a wall-clock timer: the pipeline, not the numbers."""
+    import types
+
+    import torch
+
+    from multisoft import _registry
+
+    for name, value in {"DEVICE": "cpu", "COPY_BYTES": 1 << 20, "QUICK_HEADLINE": [(8, 64)],
+                        "QUICK_SWEEP_COLS": [32, 64, 128], "SWEEP_ELEMENTS": 512,
+                        "QUICK_CROSS_ENTROPY": [(8, 100)], "QUICK_LAYOUTS": [(16, 0.5, False), (16, 0.5, True)],
+                        "HEADS": 2, "SEQ": 64}.items():
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(bench, "make_timer", lambda warmup, rep, kind: (_wall_ms, "wall clock (test)"))
+    properties = types.SimpleNamespace(name="CPU", major=0, minor=0, total_memory=1 << 30)
+    for name, value in {"is_available": lambda: True, "synchronize": lambda: None, "empty_cache": lambda: None,
+                        "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 0,
+                        "max_memory_allocated": lambda: 0, "current_device": lambda: 0,
+                        "get_device_properties": lambda index: properties}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.syspath_prepend(str(ROOT / "backends"))
+    monkeypatch.setattr(_registry, "_default_order", None)
+    _failing_backend(monkeypatch)
+    monkeypatch.setitem(_registry._backends, "failing", _registry.Backend("failing", "multisoft_failing"))
+    monkeypatch.setitem(_registry._backends, "broken", _registry.Backend("broken", "multisoft_no_such_package"))
+
+    out = tmp_path / "res"
+    assert bench.main(["--quick", "--backends", "torch,failing,broken", "--out", str(out)]) == 0
+
+    with open(out / "timings.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    ops = {r["op"] for r in rows}
+    assert ops == {"copy", "softmax", "log_softmax", "cross_entropy", "blocksparse_softmax"}
+    torch_rows = [r for r in rows if r["impl"] == "torch"]
+    assert torch_rows and all(float(r["ms"]) > 0 and float(r["fraction_of_copy"]) > 0 for r in torch_rows)
+    # 3 shapes per dense op (headline, 2 sweep), 2 dtypes, 3 directions
+    assert len([r for r in torch_rows if r["op"] == "softmax"]) == 3 * 2 * 3
+    assert {r["impl"] for r in rows if r["role"] == "peer"} == {"torch-native"}
+    failing = [r for r in rows if r["impl"] == "failing"]
+    assert all(r["ms"] == "" for r in failing)
+    assert any("kernel exploded" in r["note"] for r in failing if r["op"] == "softmax")
+    assert all(r["note"].startswith("error: ModuleNotFoundError") for r in failing if r["op"] == "cross_entropy")
+    assert all(r["impl"] != "broken" or r["note"].startswith("error:") for r in rows)
+    inplace = [r for r in rows if r["impl"] == "torch inplace"]
+    assert [r["direction"] for r in inplace] == ["forward+backward"] * 2 and all(r["ms"] for r in inplace)
+
+    with open(out / "memory.csv", newline="") as handle:
+        memory = {(r["impl"], r["dtype"]): r for r in csv.DictReader(handle)}
+    assert memory[("torch", "fp32")]["peak_mib"] == "0"
+    assert memory[("torch inplace", "bf16")]["peak_mib"] == "0"
+    assert memory[("failing", "fp32")]["note"].startswith("error:")
+    with open(out / "first_calls.csv", newline="") as handle:
+        first = {(r["impl"], r["op"], r["direction"]) for r in csv.DictReader(handle)}
+    assert ("torch", "softmax", "forward") in first and ("torch", "blocksparse_softmax", "backward") in first
+    with open(out / "overhead.csv", newline="") as handle:
+        overhead = {r["impl"]: r for r in csv.DictReader(handle)}
+    assert float(overhead["torch"]["api_us"]) > 0 and float(overhead["torch"]["direct_us"]) > 0
+    assert "kernel exploded" in overhead["failing"]["note"]
+    text = (out / "results.md").read_text()
+    for op in ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax"):
+        assert f"## {op}" in text
+    assert "kernel exploded" in text
