@@ -236,7 +236,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a few shapes only: a fast smoke run")
     parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     parser.add_argument("--no-peers", action="store_true", help="do not time torch's or Liger-Kernel's ops")
-    parser.add_argument("--timer", choices=("do_bench", "queued"), default="do_bench",
+    parser.add_argument("--timer", choices=("do_bench", "queued"), default="queued",
                         help="do_bench: triton.testing.do_bench; queued: CUDA events with the GPU held busy while "
                              "the host queues the calls, so host overhead is not timed (default: %(default)s)")
     parser.add_argument("--warmup", type=float, default=5.0, help="do_bench warm-up in ms (default %(default)g)")

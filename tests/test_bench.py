@@ -61,9 +61,9 @@ def test_arguments():
     args = bench.parse_args(["--ops", "blocksparse, ce,softmax", "--dtypes", "bf16", "--fp16", "--quick"])
     assert args.ops == ["blocksparse_softmax", "cross_entropy", "softmax"]
     assert args.dtypes == ["bf16", "fp16"]
-    assert args.timer == "do_bench"
-    args = bench.parse_args(["--backends", "triton,torch", "--timer", "queued"])
     assert args.timer == "queued"
+    args = bench.parse_args(["--backends", "triton,torch", "--timer", "do_bench"])
+    assert args.timer == "do_bench"
     assert args.ops == list(bench.OPS) and args.dtypes == ["fp32", "bf16"] and args.backends == ["triton", "torch"]
     assert (args.warmup, args.rep) == (5.0, 25.0)
 
