@@ -259,6 +259,7 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
                         "HEADS": 2, "SEQ": 64}.items():
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(bench, "make_timer", lambda warmup, rep, kind: (_wall_ms, "wall clock (test)"))
+    monkeypatch.setattr(bench, "liger_peer", lambda: (None, "hidden by the test"))  # its kernels need a GPU
     properties = types.SimpleNamespace(name="CPU", major=0, minor=0, total_memory=1 << 30)
     for name, value in {"is_available": lambda: True, "synchronize": lambda: None, "empty_cache": lambda: None,
                         "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 0,
