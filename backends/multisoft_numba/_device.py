@@ -1,0 +1,237 @@
+"""Device functions shared by the kernels: dtype loads and stores, bfloat16 bits, block reductions.
+
+Every value is float32 inside. bfloat16 tensors reach the kernels as int16 arrays
+of their bits (numba has no bfloat16 arrays); float16 ones as numba float16 arrays.
+Reductions go through shared memory, which the CUDA simulator supports too.
+"""
+
+import math
+
+import numpy
+from numba import cuda, float32, int16, int32
+
+from ._glue import SIMULATOR, device_function
+
+NEG_INF = float32(-math.inf)
+NAN = float32(math.nan)
+
+if SIMULATOR:
+    # Python's math raises where the GPU gives inf/NaN: use numpy's float32 semantics.
+    def _float_as_int(v):
+        return numpy.float32(v).view(numpy.int32)
+
+    def _int_as_float(i):
+        return numpy.int32(i).view(numpy.float32)
+
+    def expf(v):
+        with numpy.errstate(all="ignore"):
+            return numpy.exp(numpy.float32(v))
+
+    def logf(v):
+        with numpy.errstate(all="ignore"):
+            return numpy.log(numpy.float32(v))
+else:
+    from numba.cuda import libdevice
+
+    _float_as_int = libdevice.float_as_int
+    _int_as_float = libdevice.int_as_float
+    # exp through ex2.approx (__expf): a few ulp, far inside the float32 tolerances, and
+    # several times fewer instructions than the exact expf, which made the long-row
+    # kernels instruction-bound.
+    expf = libdevice.fast_expf
+    logf = math.log
+
+
+@device_function
+def bf16_bits_to_float(bits):
+    """The float32 whose upper half is the bfloat16 bits (exact)."""
+    return _int_as_float(int32(int32(bits) << 16))
+
+
+@device_function
+def float_to_bf16_bits(v):
+    """float32 -> bfloat16 bits, rounded to nearest even; NaN stays NaN (quieted, sign kept)."""
+    u = int32(_float_as_int(v))
+    if v != v:
+        return int16((u >> 16) | 0x40)
+    return int16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+
+
+@device_function
+def load(a, row, col, bf16):
+    """a[row, col] as float32."""
+    if bf16:
+        return bf16_bits_to_float(a[row, col])
+    return float32(a[row, col])
+
+
+@device_function
+def store(a, row, col, v, bf16):
+    """a[row, col] = v, rounded to a's dtype (to nearest even)."""
+    if bf16:
+        a[row, col] = float_to_bf16_bits(v)
+    else:
+        a[row, col] = v
+
+
+@device_function
+def kahan_add(total, compensation, v):
+    """Compensated summation step: long per-thread sums of signed terms stay accurate."""
+    y = v - compensation
+    t = total + y
+    return t, (t - total) - y
+
+
+@device_function
+def nan_max(a, b):
+    """max that propagates NaN."""
+    if a > b or a != a:
+        return a
+    return b
+
+
+@device_function
+def online_add(m, s, v):
+    """Add v to a running (max m, sum of expf(x - m)); -inf adds nothing, NaN poisons."""
+    if v > m or v != v:
+        return v, s * expf(m - v) + float32(1.0)
+    if v != NEG_INF:
+        return m, s + expf(v - m)
+    return m, s
+
+
+@device_function
+def online_add_all(m, s, vals):
+    """Add every value of the local array `vals` (padding -inf) to (m, s): one rescale per call."""
+    top = NEG_INF
+    for k in range(vals.shape[0]):
+        top = nan_max(top, vals[k])
+    if top > m or top != top:
+        s = s * expf(m - top)
+        m = top
+    if m != NEG_INF:
+        for k in range(vals.shape[0]):
+            s += expf(vals[k] - m)
+    return m, s
+
+
+@device_function
+def online_merge(m1, s1, m2, s2):
+    """Merge two running (max, sum of exp) pairs."""
+    if m2 > m1 or m2 != m2:
+        m1, s1, m2, s2 = m2, s2, m1, s1
+    if m2 == NEG_INF:
+        return m1, s1
+    return m1, s1 + s2 * expf(m2 - m1)
+
+
+FULL_MASK = 0xFFFFFFFF
+
+
+@device_function
+def warp_sum(v):
+    offset = 16
+    while offset > 0:
+        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        offset //= 2
+    return v
+
+
+@device_function
+def warp_max(v):
+    offset = 16
+    while offset > 0:
+        v = nan_max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
+        offset //= 2
+    return v
+
+
+@device_function
+def warp_online_merge(m, s):
+    offset = 16
+    while offset > 0:
+        m, s = online_merge(m, s, cuda.shfl_xor_sync(FULL_MASK, m, offset),
+                            cuda.shfl_xor_sync(FULL_MASK, s, offset))
+        offset //= 2
+    return m, s
+
+
+# Block reductions (blockDim.x a multiple of 32, at most 1024; `buf` holds >= 32 floats)
+# leave the result in every thread and `buf` free for reuse. On the GPU: warp shuffles,
+# then each warp reduces the per-warp partials (two barriers). The simulator has no
+# shuffles and pays a lot per barrier, so there every thread sums `buf` in order.
+
+@device_function
+def block_sum(buf, v):
+    """Sum of v over the block; every thread gets it."""
+    tid = cuda.threadIdx.x
+    if SIMULATOR:
+        buf[tid] = v
+        cuda.syncthreads()
+        total = float32(0.0)
+        for k in range(cuda.blockDim.x):
+            total += buf[k]
+        cuda.syncthreads()
+        return total
+    v = warp_sum(v)
+    if tid % 32 == 0:
+        buf[tid // 32] = v
+    cuda.syncthreads()
+    lane = tid % 32
+    v = buf[lane] if lane < cuda.blockDim.x // 32 else float32(0.0)
+    v = warp_sum(v)
+    cuda.syncthreads()
+    return v
+
+
+@device_function
+def block_max(buf, v):
+    """NaN-propagating max of v over the block; every thread gets it."""
+    tid = cuda.threadIdx.x
+    if SIMULATOR:
+        buf[tid] = v
+        cuda.syncthreads()
+        total = NEG_INF
+        for k in range(cuda.blockDim.x):
+            total = nan_max(total, buf[k])
+        cuda.syncthreads()
+        return total
+    v = warp_max(v)
+    if tid % 32 == 0:
+        buf[tid // 32] = v
+    cuda.syncthreads()
+    lane = tid % 32
+    v = buf[lane] if lane < cuda.blockDim.x // 32 else NEG_INF
+    v = warp_max(v)
+    cuda.syncthreads()
+    return v
+
+
+@device_function
+def block_online_merge(buf_m, buf_s, m, s):
+    """Merge every thread's (max, sum of exp) pair; every thread gets the block's pair."""
+    tid = cuda.threadIdx.x
+    if SIMULATOR:
+        buf_m[tid] = m
+        buf_s[tid] = s
+        cuda.syncthreads()
+        m = NEG_INF
+        s = float32(0.0)
+        for k in range(cuda.blockDim.x):
+            m, s = online_merge(m, s, buf_m[k], buf_s[k])
+        cuda.syncthreads()
+        return m, s
+    m, s = warp_online_merge(m, s)
+    if tid % 32 == 0:
+        buf_m[tid // 32] = m
+        buf_s[tid // 32] = s
+    cuda.syncthreads()
+    lane = tid % 32
+    m = NEG_INF
+    s = float32(0.0)
+    if lane < cuda.blockDim.x // 32:
+        m = buf_m[lane]
+        s = buf_s[lane]
+    m, s = warp_online_merge(m, s)
+    cuda.syncthreads()
+    return m, s

@@ -1,0 +1,194 @@
+"""numba-cuda glue: the numpy 2.5 workaround, torch -> numba arrays, device and stream, jit options, launch.
+
+Every kernel module imports this one, so the workaround runs before the first
+kernel compiles (which is when numba-cuda builds its registries).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy
+import torch
+
+# numba-cuda <= 0.30 runs `overload(np.row_stack)(...)` when numba.cuda.np.arrayobj is
+# imported (at the first kernel compile), and numpy 2.5 removed np.row_stack, so that
+# import raises AttributeError. We give numpy a placeholder row_stack only while that
+# one module is imported and remove it right after: the overload then binds to a
+# function nobody can reach, and numpy is left as it was.
+ROW_STACK_MISSING = not hasattr(numpy, "row_stack")
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _removed_row_stack(*args, **kwargs):
+    raise AttributeError("numpy.row_stack was removed in numpy 2.5; use numpy.vstack")
+
+
+def import_numba_cuda_arrayobj() -> None:
+    """Import numba.cuda.np.arrayobj with a temporary numpy.row_stack (see above)."""
+    if SIMULATOR or not ROW_STACK_MISSING:
+        return
+    numpy.row_stack = _removed_row_stack
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401
+    finally:
+        if getattr(numpy, "row_stack", None) is _removed_row_stack:
+            del numpy.row_stack
+
+
+from numba import cuda  # noqa: E402
+
+import_numba_cuda_arrayobj()
+
+if SIMULATOR:
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+else:
+    from cuda.bindings.utils import get_cuda_native_handle
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as cuda_core_launch
+    from numba.cuda.cudadrv.driver import driver as numba_driver
+
+# Kernels are launched with at most this many threads per block; the simulator runs
+# one CPU thread per CUDA thread, so it gets small blocks.
+MAX_THREADS = 16 if SIMULATOR else 1024
+MIN_THREADS = 4 if SIMULATOR else 32
+
+
+def kernel(func):
+    """cuda.jit for a kernel: cached on disk, register use bounded for 1024-thread blocks."""
+    if SIMULATOR:
+        return cuda.jit(func)
+    return cuda.jit(cache=True, launch_bounds=MAX_THREADS)(func)
+
+
+def device_function(func):
+    """cuda.jit(device=True), inlined. Under the simulator a helper that does not touch
+    `cuda` stays a plain function: a simulated device call costs a module swap."""
+    if SIMULATOR:
+        return cuda.jit(device=True)(func) if "cuda" in func.__code__.co_names else func
+    return cuda.jit(device=True, forceinline=True)(func)
+
+
+def is_bf16(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16
+
+
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def as_array(t: torch.Tensor):
+    """A numba device array over the tensor's memory (no copy); bfloat16 arrives as int16 bits."""
+    t = _kernel_view(t)
+    if SIMULATOR:
+        return FakeCUDAArray(t.numpy())
+    return cuda.as_cuda_array(t, sync=False)
+
+
+_streams: dict[tuple[int, int], object] = {}
+
+
+def _numba_stream(index: int):
+    """numba's wrapper of torch's current stream on device `index` (made inside that device's context)."""
+    handle = torch.cuda.current_stream(index).cuda_stream
+    stream = _streams.get((index, handle))
+    if stream is None:
+        with cuda.gpus[index]:
+            stream = _streams[(index, handle)] = cuda.external_stream(handle)
+    return stream
+
+
+# The fast launch path. numba's own launch re-derives every argument's type and wraps
+# every tensor in a DeviceNDArray: hundreds of microseconds a call, more than many of
+# these kernels take. After the first launch of a kernel for an argument signature we
+# keep its compiled function and hand later launches straight to cuda.core, packing the
+# arguments the way numba's _Kernel.launch does (an array is meminfo, parent, size,
+# itemsize, data pointer, shape..., strides in bytes...). A driver-API launch needs the
+# device's context bound to the calling thread, which torch's runtime leaves unbound in
+# some threads (autograd's backward worker): there numba's device context manager binds
+# it for the launch. MULTISOFT_NUMBA_FAST_LAUNCH=0 turns the path off.
+FAST_LAUNCH = not SIMULATOR and os.environ.get("MULTISOFT_NUMBA_FAST_LAUNCH", "1") != "0"
+_compiled: dict[tuple, object] = {}
+_context_handles: dict[int, int] = {}
+
+
+def _context_is_current(index: int) -> bool:
+    """Whether device `index`'s context (the one numba compiled into) is bound to this thread."""
+    expected = _context_handles.get(index)
+    if expected is None:
+        return False
+    return get_cuda_native_handle(numba_driver.cuCtxGetCurrent()) == expected
+
+
+def _signature(args) -> tuple:
+    return tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else type(a) for a in args)
+
+
+def _pack(args) -> list:
+    params = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            t = _kernel_view(a)
+            size = t.element_size()
+            params += [0, 0, t.numel(), size, t.data_ptr(), *t.shape, *(stride * size for stride in t.stride())]
+        elif isinstance(a, (bool, numpy.bool_)):
+            params.append(bool(a))
+        elif isinstance(a, numpy.float32):
+            params.append(ctypes.c_float(a))
+        elif isinstance(a, (int, numpy.int64)):
+            params.append(ctypes.c_int64(int(a)))
+        else:
+            raise TypeError(f"cannot pass {type(a)} to a kernel")
+    return params
+
+
+def launch(kernel_, grid, threads: int, args) -> None:
+    """kernel_[grid, threads] on torch's current stream of the first tensor's device.
+
+    args: contiguous tensors (bfloat16 goes as int16 bits), bools, numpy.float32, numpy.int64.
+    """
+    if SIMULATOR:
+        kernel_[grid, threads, 0](*[as_array(a) if isinstance(a, torch.Tensor) else a for a in args])
+        return
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _numba_stream(index)
+    fast = FAST_LAUNCH and index == torch.cuda.current_device() and all(
+        a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
+    key = (id(kernel_), index, _signature(args)) if fast else None
+    compiled = _compiled.get(key) if fast else None
+    if compiled is not None:
+        config = LaunchConfig(grid=grid, block=threads, shmem_size=0)
+        params = _pack(args)
+        if _context_is_current(index):
+            cuda_core_launch(stream, config, compiled, *params)
+        else:
+            with cuda.gpus[index]:
+                cuda_core_launch(stream, config, compiled, *params)
+        return
+    with cuda.gpus[index]:
+        arrays = [as_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+        kernel_[grid, threads, stream](*arrays)
+        if fast:
+            overload = kernel_.overloads.get(tuple(kernel_.typeof_pyval(a) for a in arrays))
+            if overload is None:
+                return
+            try:
+                handle = get_cuda_native_handle(cuda.current_context().handle)
+                compiled = overload._codelibrary.get_cufunc().kernel
+            except Exception:   # numba internals not as expected: keep numba's own launch
+                return
+            _context_handles[index] = handle
+            _compiled[key] = compiled
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def threads_for(n: int, per_thread: int) -> int:
+    """A power-of-two block size giving each thread about per_thread of n elements."""
+    return max(min(next_pow2(-(-n // per_thread)), MAX_THREADS), MIN_THREADS)

@@ -1,0 +1,167 @@
+"""numba backend specifics: bfloat16 bit conversions, the numpy 2.5 workaround, invalid targets,
+launching on torch's current (non-default) stream, the split path of long rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import DEVICE, ON_GPU, assert_close, reference_softmax, reference_softmax_backward
+
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+
+needs_numba = pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed")
+needs_backend = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not (ON_GPU or SIMULATED),
+                                   reason="needs a CUDA device or --simulate")
+needs_gpu = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not ON_GPU or SIMULATED, reason="needs a CUDA device")
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return [b & 0xFFFF for b in t.view(torch.int16).tolist()]
+
+
+def _tricky_floats() -> torch.Tensor:
+    """float32 values around bfloat16 rounding: exact ties (odd and even), just off ties, extremes."""
+    specials = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 3.4028235e38, -3.4028235e38,
+                1e-40, -1e-40, 1.1754944e-38, 65504.0, 1.0 / 3.0]
+    words = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000,
+             0x00008000, 0x00018000, 0x80008000, 0x4049FFFF, 0x40498000]
+    from_words = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    values = torch.cat([torch.tensor(specials, dtype=torch.float32), from_words.view(torch.float32),
+                        torch.randn(2000) * torch.logspace(-30, 30, 2000)])
+    return values
+
+
+@pytest.mark.skipif(not SIMULATED or not HAVE_NUMBA_CUDA, reason="the helpers are host-callable under --simulate")
+def test_bf16_round_to_nearest_even_matches_torch():
+    from multisoft_numba._device import bf16_bits_to_float, float_to_bf16_bits
+    values = _tricky_floats()
+    expected = _bits(values.to(torch.bfloat16))
+    got = [int(float_to_bf16_bits(v)) & 0xFFFF for v in values.numpy()]
+    mismatches = [(float(v), hex(g), hex(e)) for v, g, e in zip(values.tolist(), got, expected) if g != e]
+    assert not mismatches, mismatches[:5]
+    back = torch.tensor([float(bf16_bits_to_float(b)) for b in values.to(torch.bfloat16).view(torch.int16).numpy()])
+    assert torch.equal(back, values.to(torch.bfloat16).float())
+
+
+@pytest.mark.skipif(not SIMULATED or not HAVE_NUMBA_CUDA, reason="the helpers are host-callable under --simulate")
+def test_bf16_nan_stays_nan_with_sign():
+    from multisoft_numba._device import float_to_bf16_bits
+    for word in (0x7FC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF):
+        signed = word - (1 << 32) if word >= 1 << 31 else word
+        value = torch.tensor([signed], dtype=torch.int32).view(torch.float32).numpy()[0]
+        bits = int(float_to_bf16_bits(value)) & 0xFFFF
+        assert bits & 0x7F80 == 0x7F80 and bits & 0x007F, hex(bits)   # exponent all ones, mantissa non-zero
+        assert bits >> 15 == word >> 31
+
+
+@needs_numba
+def test_row_stack_workaround_in_a_fresh_interpreter():
+    """numpy without row_stack (numpy >= 2.5): numba-cuda's array module imports, numpy is left as it was."""
+    code = (
+        "import numpy\n"
+        "if hasattr(numpy, 'row_stack'):\n"
+        "    del numpy.row_stack\n"
+        "import multisoft_numba._glue as glue, sys\n"
+        "assert glue.ROW_STACK_MISSING\n"
+        "assert 'numba.cuda.np.arrayobj' in sys.modules\n"
+        "assert not hasattr(numpy, 'row_stack')\n"
+        "import multisoft_numba\n"
+        "assert any('row_stack' in line for line in multisoft_numba.notes())\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_unavailable_reason_without_importing_numba(monkeypatch):
+    import multisoft_numba
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    if multisoft_numba.version() is None:
+        assert multisoft_numba.unavailable_reason(torch.device("cpu"), torch.float32) is not None
+        return
+    assert "NUMBA_ENABLE_CUDASIM" in multisoft_numba.unavailable_reason(torch.device("cpu"), torch.float32)
+    assert multisoft_numba.unavailable_reason(torch.device("cuda", 0), torch.float64) is not None
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    assert multisoft_numba.unavailable_reason(torch.device("cpu"), torch.bfloat16) is None
+    assert multisoft_numba.unavailable_reason(torch.device("cuda", 0), torch.float32) is not None
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_invalid_targets_give_nan_and_stay_in_bounds(dtype):
+    from multisoft_numba import cross_entropy
+    rows, classes = 6, 37
+    # The logits are a slice of a larger buffer guarded by sentinels that must stay untouched.
+    buffer = torch.full((rows + 2, classes), 7.0, device=DEVICE).to(dtype)
+    logits = buffer[1:-1]
+    logits.copy_(torch.randn(rows, classes, device=DEVICE))
+    target = torch.tensor([3, classes, -1, -100, 2**40, -(2**40)], device=DEVICE)
+    loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
+    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.1)
+    assert torch.isfinite(loss[0]) and loss[3] == 0
+    assert torch.isnan(loss[[1, 2, 4, 5]]).all()
+    assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
+    grad = torch.empty_like(logits)
+    cross_entropy.backward(logits, target, None, None, lse, torch.ones(rows, device=DEVICE), grad, -100, 0.1)
+    assert torch.isnan(grad[[1, 2, 4, 5]]).all() and (grad[3] == 0).all() and torch.isfinite(grad[0]).all()
+    assert (buffer[0] == 7).all() and (buffer[-1] == 7).all()
+
+
+@needs_gpu
+def test_launches_on_the_current_non_default_stream():
+    """A slow producer and a consumer on a side stream: numba must run between them, on that stream."""
+    import torch.nn.functional as F
+    from multisoft_numba import cross_entropy, softmax
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            a = torch.randn(4096, 4096, device=DEVICE)
+            x = (a @ a).view(512, -1) * 1e-3
+            out = torch.empty_like(x)
+            softmax.forward(x, out, log=False)
+            expected = torch.softmax(x.double(), -1)
+            long_rows = (a @ a).view(64, -1) * 1e-3          # split path
+            long_out = torch.empty_like(long_rows)
+            softmax.forward(long_rows, long_out, log=True)
+            long_expected = torch.log_softmax(long_rows.double(), -1)
+            target = torch.randint(0, 32000, (512,), device=DEVICE)
+            logits = (a @ a).view(512, -1)[:, :32000].contiguous() * 1e-3
+            loss, lse = torch.empty(512, device=DEVICE), torch.empty(512, device=DEVICE)
+            cross_entropy.forward(logits, target, None, loss, lse, -100, 0.0)
+            loss_expected = F.cross_entropy(logits.double(), target, reduction="none")
+            side.synchronize()
+            assert_close(out, expected, torch.float32, "softmax on a side stream")
+            assert_close(long_out, long_expected, torch.float32, "split log_softmax on a side stream")
+            assert_close(loss, loss_expected, torch.float32, "cross_entropy on a side stream")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["split", "looping"])
+def test_long_row_paths_with_a_masked_part(dtype, path):
+    from multisoft_numba import softmax
+    n = 262_144
+    x = (torch.randn(3, n, device=DEVICE) * 3).to(dtype)
+    x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path
+    x[2] = float("-inf")
+    for log in (False, True):
+        plan = softmax._plan(n, softmax.CACHE, x.device) if path == "split" else ("looping", 1024, 1)
+        assert plan[0] == path
+        out = torch.empty_like(x)
+        softmax.forward(x, out, log, plan=plan)
+        expected = reference_softmax(x, -1, log)
+        torch.testing.assert_close(out[2].double(), expected[2], equal_nan=True)
+        assert_close(out[:2], expected[:2], dtype, f"{path} forward")
+        dy = torch.randn_like(x)
+        dx = torch.empty_like(x)
+        bwd_plan = softmax._plan(n, softmax.CACHE_BWD, x.device) if path == "split" else plan
+        softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log, plan=bwd_plan)
+        assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype, f"{path} backward")
