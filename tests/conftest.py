@@ -20,7 +20,6 @@ SIMULATION_VARIABLES = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
 def pytest_addoption(parser):
     parser.addoption("--no-simulate", action="store_true",
                      help="without a GPU, do not run Triton's interpreter and numba's CUDA simulator")
-    parser.addoption("--simulate", action="store_true", help="the default without a GPU (kept for old scripts)")
 
 
 def pytest_configure(config):

@@ -18,7 +18,9 @@ HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
 
 needs_numba = pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed")
 needs_backend = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not (ON_GPU or SIMULATED),
-                                   reason="needs a CUDA device or --simulate")
+                                   reason="needs a CUDA device or the simulator (NUMBA_ENABLE_CUDASIM=1)")
+host_callable_helpers = pytest.mark.skipif(not SIMULATED or not HAVE_NUMBA_CUDA,
+                                           reason="the device helpers are host-callable only under the simulator")
 needs_gpu = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not ON_GPU or SIMULATED, reason="needs a CUDA device")
 
 
@@ -38,7 +40,7 @@ def _tricky_floats() -> torch.Tensor:
     return values
 
 
-@pytest.mark.skipif(not SIMULATED or not HAVE_NUMBA_CUDA, reason="the helpers are host-callable under --simulate")
+@host_callable_helpers
 def test_bf16_round_to_nearest_even_matches_torch():
     from multisoft_numba._device import bf16_bits_to_float, float_to_bf16_bits
     values = _tricky_floats()
@@ -50,7 +52,7 @@ def test_bf16_round_to_nearest_even_matches_torch():
     assert torch.equal(back, values.to(torch.bfloat16).float())
 
 
-@pytest.mark.skipif(not SIMULATED or not HAVE_NUMBA_CUDA, reason="the helpers are host-callable under --simulate")
+@host_callable_helpers
 def test_bf16_nan_stays_nan_with_sign():
     from multisoft_numba._device import float_to_bf16_bits
     for word in (0x7FC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF):
