@@ -145,7 +145,7 @@ def _setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, dy):
     y, layout = ctx.saved_tensors
-    dx = blocksparse_backward_op(y, dy.contiguous(), layout, ctx.block, ctx.scale, ctx.backend)
+    dx = blocksparse_backward_op(y, dy, layout, ctx.block, ctx.scale, ctx.backend)
     return dx, None, None, None, None, None
 
 

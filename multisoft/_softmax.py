@@ -52,7 +52,7 @@ def _setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, dy):
     (y,) = ctx.saved_tensors
-    return softmax_backward_op(y, dy.contiguous(), ctx.log, ctx.backend), None, None
+    return softmax_backward_op(y, dy, ctx.log, ctx.backend), None, None
 
 
 softmax_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
