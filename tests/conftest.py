@@ -13,8 +13,7 @@ import os
 import pytest
 import torch
 
-
-SIMULATION_VARIABLES = {"TRITON_INTERPRET": "1", "NUMBA_ENABLE_CUDASIM": "1"}
+from multisoft.cli import SIMULATION_VARIABLES  # the CLI's --simulate sets the same ones; imports no framework
 
 
 def pytest_addoption(parser):
