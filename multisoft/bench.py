@@ -399,23 +399,26 @@ def queued_bench(fn: Callable, warmup: float, rep: float, max_batch: int = 32) -
         fn()
     host_ms = (time.perf_counter() - start) * 1e3 / 3 + 0.02  # + the events' launches
     torch.cuda.synchronize()
-    wall_ms = max(host_ms, _events_median(fn, flush, 3, host_ms))
+    wall_ms = max(host_ms, statistics.median(_events_times(fn, flush, 3, 4.5 * host_ms)))
     for _ in range(max(1, int(warmup / wall_ms))):
         fn()
     total = max(10, min(1000, int(rep / wall_ms)))
     batch = max(1, min(max_batch, int(40.0 / host_ms)))
     times: list[float] = []
     while len(times) < total:
-        times += _events_times(fn, flush, min(batch, total - len(times)), host_ms)
+        count = min(batch, total - len(times))
+        times += _events_times(fn, flush, count, 1.5 * count * host_ms)
     return statistics.median(times)
 
 
-def _events_times(fn: Callable, flush, count: int, host_ms: float) -> list[float]:
+def _events_times(fn: Callable, flush, count: int, hold_ms: float = 0.0) -> list[float]:
+    """CUDA-event times of ``count`` calls, L2 flushed before each; the GPU first held ``hold_ms``."""
     import torch
 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
-    _hold_gpu(1.5 * count * host_ms)
+    if hold_ms:
+        _hold_gpu(hold_ms)
     for first, last in zip(starts, ends):
         flush.zero_()
         first.record()
@@ -423,10 +426,6 @@ def _events_times(fn: Callable, flush, count: int, host_ms: float) -> list[float
         last.record()
     torch.cuda.synchronize()
     return [first.elapsed_time(last) for first, last in zip(starts, ends)]
-
-
-def _events_median(fn: Callable, flush, count: int, host_ms: float) -> float:
-    return statistics.median(_events_times(fn, flush, count, host_ms))
 
 
 def event_bench(fn: Callable, warmup: float, rep: float) -> float:
@@ -446,16 +445,7 @@ def event_bench(fn: Callable, warmup: float, rep: float) -> float:
     estimate = max(start.elapsed_time(end) / 5, 1e-3)
     for _ in range(max(1, int(warmup / estimate))):
         fn()
-    reps = max(1, int(rep / estimate))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for first, last in zip(starts, ends):
-        flush.zero_()
-        first.record()
-        fn()
-        last.record()
-    torch.cuda.synchronize()
-    return statistics.median(first.elapsed_time(last) for first, last in zip(starts, ends))
+    return statistics.median(_events_times(fn, flush, max(1, int(rep / estimate))))
 
 
 def wall_us_per_call(fn: Callable, calls: int) -> float:
