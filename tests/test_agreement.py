@@ -225,3 +225,59 @@ def test_blocksparse_softmax(backend, dtype, case, is_causal):
     assert_close(dx, dx_expected, dtype, "backward", magnitude)
     dx_direct = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=scale, backend=backend)
     assert_close(dx_direct, dx_expected, dtype, "blocksparse_softmax_backward", magnitude)
+
+
+# -- device and stream
+
+
+def _every_op(backend, device):
+    """Each op forward and backward on `device`, checked against the float64 reference."""
+    x = torch.randn(3, 300_000, device=device, requires_grad=True)  # long enough for the multi-program paths
+    y = multisoft.softmax(x, backend=backend)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert y.device == x.device and dx.device == x.device
+    checks = [(y, reference_softmax(x, -1, False), None, "softmax"),
+              (dx, reference_softmax_backward(y, dy, -1, False), softmax_backward_magnitude(y, dy, -1, False),
+               "softmax backward")]
+    logits = torch.randn(64, 32000, device=device, requires_grad=True)
+    target = torch.randint(0, 32000, (64,), device=device)
+    loss = multisoft.cross_entropy(logits, target, reduction="none", backend=backend)
+    checks.append((loss, reference_cross_entropy(logits.detach(), target, reduction="none"), None, "cross_entropy"))
+    layout = _layout(2, 6, 6, 0.5)
+    blocks = torch.randn(2, int(layout.sum()), 32, 32, device=device, requires_grad=True)
+    p = multisoft.blocksparse_softmax(blocks, layout, 32, scale=0.5, is_causal=True, backend=backend)
+    dp = torch.randn_like(p)
+    (dblocks,) = torch.autograd.grad(p, blocks, dp)
+    checks.append((p, reference_blocksparse(blocks.detach(), layout, 32, 0.5, True), None, "blocksparse"))
+    expected, magnitude = reference_blocksparse_backward(p, dp, layout, 32, 0.5)
+    checks.append((dblocks, expected, magnitude, "blocksparse backward"))
+    return checks
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@on_each_backend
+def test_tensors_on_the_second_device(backend):
+    """Every op runs on its tensors' device, whatever the current device is."""
+    with torch.cuda.device(0):
+        checks = _every_op(backend, torch.device("cuda:1"))
+    torch.cuda.synchronize(1)
+    for actual, expected, magnitude, what in checks:
+        assert_close(actual, expected, torch.float32, f"cuda:1 {what}", magnitude)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@on_each_backend
+def test_runs_on_the_current_stream(backend):
+    """On a side stream whose queue starts with slow torch work, every op's kernels queue behind it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        a = torch.randn(4096, 4096, device=DEVICE)
+        for _ in range(20):
+            a = a @ a.T / 64  # keeps the side stream busy while the ops below are queued
+        checks = _every_op(backend, DEVICE)
+        results = [(actual * 1, expected, magnitude, what) for actual, expected, magnitude, what in checks]
+    side.synchronize()
+    for actual, expected, magnitude, what in results:
+        assert_close(actual, expected, torch.float32, f"side stream {what}", magnitude)
