@@ -322,3 +322,124 @@ def test_second_device():
         cross_entropy.forward(x, target, None, loss, lse, -100, 0.0)
     check(y, torch.softmax(x.double(), -1), torch.float32, "cuda:1 softmax")
     check(loss, ce_reference(x, target, None, -100, 0.0)[0], torch.float32, "cuda:1 loss")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
+    """Rows longer than one tile (read twice), and element-wise loads when the blocks are not 16-byte aligned."""
+    _, _, blocksparse = _kernels()
+    monkeypatch.setattr(blocksparse, "FORWARD_FLOATS", 1)
+    monkeypatch.setattr(blocksparse, "BACKWARD_FLOATS", 1)
+    g = torch.Generator().manual_seed(3)
+    layout = random_layout(2, 6, 48, g)
+    layout[1, 5, 7] = 1
+    layout[1, 5, :5] = 0  # only above the diagonal: fully masked when causal
+    lut = make_lut(layout, 16, _device())
+    shape = (2, lut.nnz, 16, 16)
+    storage = torch.randn(2 * lut.nnz * 256 + 1, device=_device()).to(dtype)
+    x = storage[1:].view(shape) if unaligned else storage[:-1].view(shape)
+    dy = torch.randn(shape, device=_device()).to(dtype)
+    for causal in (False, True):
+        y = torch.empty_like(x)
+        blocksparse.forward(x, y, lut, 0.5, causal)
+        check(y, blocksparse_reference(x, layout.to(_device()), 16, 0.5, causal), dtype, f"forward causal={causal}")
+        dx_storage = torch.empty_like(storage)
+        dx = dx_storage[1:].view(shape) if unaligned else dx_storage[:-1].view(shape)
+        blocksparse.backward(y, dy, dx, lut, 0.5)
+        y64, dy64 = y.double(), dy.double()
+        rowdot = torch.zeros(2, lut.heads * lut.block_rows, 16, dtype=torch.float64, device=_device())
+        rowdot.index_add_(1, lut.rows.long(), (y64 * dy64).sum(-1))
+        check(dx, 0.5 * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None]), dtype, "backward")
+
+
+# ---- measured exceptions (SOFTMAX_RULES, CE_FWD_RULES) and register-capped configurations ----
+
+def test_rules_pick_their_config_only_in_range(monkeypatch):
+    capped = _catalog.RowConfig(32, 4, 4, 1, 8)
+    clustered = _catalog.RowConfig(512, 1, 4, 8)
+    monkeypatch.setattr(_catalog, "SOFTMAX_RULES", (("fwd", 2, 512, 1024, capped), ("bwd", 2, 0, 1 << 20, clustered)))
+    assert _catalog.softmax_config("fwd", 1024, 2, 90) == capped
+    assert _catalog.softmax_config("fwd", 512, 2, 90) != capped
+    assert _catalog.softmax_config("fwd", 1024, 4, 90) != capped
+    assert _catalog.softmax_config("bwd", 131072, 2, 90) == clustered
+    assert _catalog.softmax_config("bwd", 131072, 2, 80).cluster == 1  # no clusters before sm_90
+    monkeypatch.setattr(_catalog, "CE_FWD_RULES", ((2, 0, 1 << 20, capped),))
+    assert _catalog.ce_fwd_config(8192, 32000, 2, 90, 132) == capped
+    assert _catalog.ce_fwd_config(8192, 32000, 4, 90, 132) != capped
+
+
+def test_heuristics_leave_register_capped_configs_to_rules():
+    for direction in ("fwd", "bwd"):
+        for elem in (4, 2):
+            for cols in (1, 1000, 1024, 4096, 32768, 131072, 262144):
+                assert _catalog.softmax_config(direction, cols, elem, 90).min_blocks == 0
+
+
+def test_every_backward_config_is_compiled():
+    for ctype in _catalog.CUDA_TYPES:
+        expressions = _catalog.expressions("cross_entropy.cu", ctype, 80)
+        for cfg in _catalog.CE_BWD_CONFIGS:
+            assert _catalog.ce_bwd_kernel(ctype, "int", cfg) in expressions
+    assert _catalog.CE_BWD_CONFIG in _catalog.CE_BWD_CONFIGS
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [c for c in _catalog.SOFTMAX_CONFIGS if c.min_blocks], ids=str)
+def test_softmax_register_capped_configs_match_float64(cfg, dtype, monkeypatch):
+    softmax, _, _ = _kernels()
+    for cols in (cfg.capacity(dtype.itemsize), 2 * cfg.capacity(dtype.itemsize) + 3):
+        monkeypatch.setattr(_catalog, "SOFTMAX_RULES", tuple((d, dtype.itemsize, 0, cols, cfg) for d in ("fwd", "bwd")))
+        x = torch.randn(5, cols, device=_device()).mul(4).to(dtype)
+        dy = torch.randn_like(x)
+        y = torch.empty_like(x)
+        softmax.forward(x, y, False)
+        check(y, torch.softmax(x.double(), -1), dtype, f"forward {cols}")
+        dx = torch.empty_like(x)
+        softmax.backward(y, dy, dx, False)
+        y64, dy64 = y.double(), dy.double()
+        check(dx, y64 * (dy64 - (y64 * dy64).sum(-1, True)), dtype, f"backward {cols}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", _catalog.CE_BWD_CONFIGS, ids=str)
+def test_cross_entropy_backward_configs_and_row_orders(cfg, dtype, monkeypatch):
+    _, cross_entropy, _ = _kernels()
+    monkeypatch.setattr(_catalog, "CE_BWD_CONFIG", cfg)
+    rows = 7
+    for classes in (20011, 20480):  # element-wise and 16-byte vector loads
+        logits = torch.randn(rows, classes, device=_device()).to(dtype)
+        target = torch.randint(0, classes, (rows,), device=_device())
+        target[2] = -100
+        loss = torch.empty(rows, device=_device())
+        lse = torch.empty(rows, device=_device())
+        cross_entropy.forward(logits, target, None, loss, lse, -100, 0.0)
+        _, _, ref_grad = ce_reference(logits, target, None, -100, 0.0)
+        grad_loss = torch.rand(rows, device=_device())
+        expected = ref_grad * grad_loss.double()[:, None]
+        for last_row_first in (True, False):
+            monkeypatch.setattr(cross_entropy, "BACKWARD_LAST_ROW_FIRST", last_row_first)
+            grad = torch.empty_like(logits)
+            cross_entropy.backward(logits, target, None, None, lse, grad_loss, grad, -100, 0.0)
+            check(grad, expected, dtype, f"gradient, {classes} classes, last row first={last_row_first}")
+
+
+@gpu
+@pytest.mark.parametrize("cfg", _catalog.CE_FWD_CONFIGS, ids=str)
+def test_cross_entropy_forward_configs(cfg, monkeypatch):
+    _, cross_entropy, _ = _kernels()
+    if cfg.cluster > 1 and torch.cuda.get_device_capability(_device())[0] < 9:
+        pytest.skip("clusters need sm_90")
+    monkeypatch.setattr(_catalog, "CE_FWD_RULES", ((2, 0, 1 << 40, cfg),))
+    rows, classes = 6, 3 * cfg.capacity(2) + 5
+    logits = torch.randn(rows, classes, device=_device()).to(torch.bfloat16)
+    target = torch.randint(0, classes, (rows,), device=_device())
+    loss = torch.empty(rows, device=_device())
+    lse = torch.empty(rows, device=_device())
+    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.1)
+    ref_loss, ref_lse, _ = ce_reference(logits, target, None, -100, 0.1)
+    check(loss, ref_loss, torch.float32, "loss")
+    check(lse, ref_lse, torch.float32, "lse")

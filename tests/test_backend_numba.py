@@ -1,5 +1,5 @@
-"""numba backend specifics: bfloat16 bit conversions, the numpy 2.5 workaround, invalid targets,
-launching on torch's current (non-default) stream, the split path of long rows."""
+"""numba backend specifics: bfloat16 bit conversions and pairs, the numpy 2.5 workaround, invalid
+targets, launching on torch's current (non-default) stream, the split path of long rows."""
 
 from __future__ import annotations
 
@@ -61,6 +61,55 @@ def test_bf16_nan_stays_nan_with_sign():
         bits = int(float_to_bf16_bits(value)) & 0xFFFF
         assert bits & 0x7F80 == 0x7F80 and bits & 0x007F, hex(bits)   # exponent all ones, mantissa non-zero
         assert bits >> 15 == word >> 31
+
+
+@host_callable_helpers
+def test_bf16_pairs_pack_and_unpack_like_torch():
+    from multisoft_numba._device import floats_to_pair, pair_to_floats
+    values = _tricky_floats()
+    values = torch.cat([values, torch.tensor([float("nan"), -float("nan")])])[: values.numel() // 2 * 2]
+    words = values.to(torch.bfloat16).view(torch.int32)
+    got = [int(floats_to_pair(low, high)) for low, high in values.view(-1, 2).numpy()]
+    assert got == words.tolist()
+    back = torch.tensor([pair_to_floats(word) for word in words.numpy()]).view(-1)
+    assert torch.equal(back, values.to(torch.bfloat16).float())
+
+
+@needs_backend
+def test_bf16_pairs_and_single_elements_agree():
+    """Rows of even length at an even offset go as int32 pairs; at an odd offset, element by element."""
+    from multisoft_numba import cross_entropy, softmax
+    from multisoft_numba._device import BF16, BF16_PAIRS
+    from multisoft_numba._glue import word_views
+    rows, n = 3, 64
+    aligned = (torch.randn(rows, n, device=DEVICE) * 3).to(torch.bfloat16)
+    aligned[1, 5] = float("-inf")
+    dy = torch.randn(rows, n, device=DEVICE).to(torch.bfloat16)
+    target = torch.tensor([3, -100, 63], device=DEVICE)
+    results = []
+    for x in (aligned, _shifted_copy(aligned)):
+        assert word_views((x,), True)[0] == (BF16_PAIRS if x is aligned else BF16)
+        got = []
+        for log in (False, True):
+            out, dx = torch.empty_like(x), torch.empty_like(x)
+            softmax.forward(x, out, log)
+            softmax.backward(out if x is aligned else _shifted_copy(out), dy, dx, log)
+            got += [out, dx]
+        finite = x.nan_to_num(neginf=0.0)
+        finite = finite if x is aligned else _shifted_copy(finite)
+        loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
+        cross_entropy.forward(finite, target, None, loss, lse, -100, 0.1)
+        grad = torch.empty_like(x)
+        cross_entropy.backward(finite, target, None, None, lse, torch.ones(rows, device=DEVICE), grad, -100, 0.1)
+        results.append(got + [loss, lse, grad])
+    for pairs, single in zip(*results):   # equal up to the order of the sums
+        torch.testing.assert_close(pairs, single, equal_nan=True)
+
+
+def _shifted_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a tensor whose data starts 2 bytes past a 4-byte boundary."""
+    shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    return shifted.copy_(t)
 
 
 @needs_numba

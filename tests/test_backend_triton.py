@@ -153,3 +153,32 @@ def test_second_device():
     expected_lse, expected_loss = _reference_lse_loss(logits, target)
     torch.testing.assert_close(loss.double(), expected_loss, atol=1e-5, rtol=1e-5)
     _check_softmax(torch.randn(5, 300000, device="cuda:1"), False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("columns", [32768, 131075, 262144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("log", [False, True])
+def test_long_rows_split_path_special_rows(columns, dtype, log):
+    x = (torch.randn(4, columns, device="cuda") * 4).to(dtype)
+    x[1] = float("-inf")
+    x[2, 1000] = float("nan")
+    x[3, 5::3] = float("-inf")
+    _check_softmax(x, log)
+
+
+@needs_kernels
+@pytest.mark.parametrize("log", [False, True])
+def test_loop_path_with_several_rows_per_program(log, monkeypatch):
+    """The loop path's programs take rows in turn when there are fewer programs than rows."""
+    from multisoft_triton import softmax
+
+    monkeypatch.setattr(softmax, "FORWARD_TILE_MAX", {4: 64, 2: 64})
+    monkeypatch.setattr(softmax, "BACKWARD_TILE_MAX", {4: 64, 2: 64})
+    monkeypatch.setattr(softmax, "LOOP_FORWARD", True)
+    monkeypatch.setattr(softmax, "LOOP_BACKWARD", True)
+    monkeypatch.setattr(softmax, "LOOP_BLOCK", 128)
+    monkeypatch.setattr(softmax, "_loop_programs", lambda x: 2)
+    x = torch.randn(5, 300, device=DEVICE) * 3
+    x[3] = float("-inf")
+    _check_softmax(x, log)

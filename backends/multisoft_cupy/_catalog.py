@@ -20,12 +20,14 @@ MAX_GRID = 2**31 - 1
 
 
 class RowConfig(NamedTuple):
-    """TPR threads per row group, ROWS row groups per block, VPT 16-byte vectors per thread, CLUSTER blocks per row."""
+    """TPR threads per row group, ROWS row groups per block, VPT 16-byte vectors per thread, CLUSTER blocks per row,
+    MIN_BLOCKS resident blocks per multiprocessor that the register use must allow (0: the kernel's default)."""
 
     tpr: int
     rows: int
     vpt: int
     cluster: int = 1
+    min_blocks: int = 0
 
     @property
     def threads(self) -> int:
@@ -44,19 +46,31 @@ SOFTMAX_CONFIGS = (
     RowConfig(1024, 1, 8, 2), RowConfig(1024, 1, 8, 4), RowConfig(1024, 1, 8, 8),
     RowConfig(512, 1, 4, 2), RowConfig(512, 1, 4, 4), RowConfig(512, 1, 4, 8),
     RowConfig(512, 1, 8, 2), RowConfig(512, 1, 8, 4), RowConfig(512, 1, 8, 8),
+    # with a register cap: for SOFTMAX_RULES only, the heuristic leaves them out
+    RowConfig(32, 4, 2, 1, 8), RowConfig(32, 4, 4, 1, 8), RowConfig(128, 1, 1, 1, 8), RowConfig(256, 1, 1, 1, 4),
 )
 CE_FWD_CONFIGS = (
     RowConfig(32, 4, 2), RowConfig(256, 1, 4), RowConfig(256, 1, 4, 4), RowConfig(256, 1, 4, 8),
+    RowConfig(32, 4, 4), RowConfig(256, 1, 4, 1, 4), RowConfig(256, 1, 8, 1, 4),
 )
-CE_BWD_CONFIG = RowConfig(256, 1, 4)
-BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 1), RowConfig(32, 4, 4), RowConfig(128, 1, 4), RowConfig(512, 1, 4))
+# Backward: TPR threads per block, VPT vectors per thread (rows, cluster unused).
+CE_BWD_CONFIGS = (RowConfig(256, 1, 4, 1, 4), RowConfig(256, 1, 8, 1, 4), RowConfig(512, 1, 4, 1, 2),
+                  RowConfig(256, 1, 4))
+CE_BWD_CONFIG = CE_BWD_CONFIGS[0]
+# Measured exceptions to the heuristics below, first match wins: softmax (direction, element size,
+# low, high, config) and cross-entropy forward (element size, low, high, config) for low < columns <= high.
+# A cluster configuration is skipped below CLUSTER_MIN_CC.
+SOFTMAX_RULES: tuple = ()
+CE_FWD_RULES: tuple = ()
+BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 8), RowConfig(32, 4, 16))
 
 
 def _row_kernel(name: str, ctype: str, cfg: RowConfig, index_type: str | None = None) -> str:
     types = ctype if index_type is None else f"{ctype}, {index_type}"
+    min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
     if cfg.cluster > 1:
-        return f"{name}_cluster<{types}, {cfg.tpr}, {cfg.vpt}, {cfg.cluster}>"
-    return f"{name}<{types}, {cfg.tpr}, {cfg.rows}, {cfg.vpt}>"
+        return f"{name}_cluster<{types}, {cfg.tpr}, {cfg.vpt}, {cfg.cluster}{min_blocks}>"
+    return f"{name}<{types}, {cfg.tpr}, {cfg.rows}, {cfg.vpt}{min_blocks}>"
 
 
 def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
@@ -67,8 +81,9 @@ def ce_fwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
     return _row_kernel("ce_fwd", ctype, cfg, index_type)
 
 
-def ce_bwd_kernel(ctype: str, index_type: str) -> str:
-    return f"ce_bwd<{ctype}, {index_type}, {CE_BWD_CONFIG.tpr}, {CE_BWD_CONFIG.vpt}>"
+def ce_bwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
+    min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
+    return f"ce_bwd<{ctype}, {index_type}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
 
 
 def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
@@ -85,7 +100,7 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         return tuple(softmax_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in _usable(SOFTMAX_CONFIGS, cc))
     if source == "cross_entropy.cu":
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
-        return tuple(fwd + [ce_bwd_kernel(ctype, i) for i in INDEX_TYPES])
+        return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
     if source == "blocksparse.cu":
         return tuple(blocksparse_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in BLOCKSPARSE_CONFIGS)
     raise ValueError(f"unknown source {source!r}")
@@ -116,13 +131,24 @@ def _half_forward_config(columns: int, cc: int) -> RowConfig:
     return RowConfig(512, 1, 4, 8)
 
 
+def _ruled(rules, key: tuple, columns: int, cc: int) -> RowConfig | None:
+    for *rule_key, low, high, cfg in rules:
+        if tuple(rule_key) == key and low < columns <= high and _usable((cfg,), cc):
+            return cfg
+    return None
+
+
 def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> RowConfig:
-    """Mostly the smallest configuration that holds the row in registers (the widest loops over tiles)."""
+    """A SOFTMAX_RULES entry, else mostly the smallest configuration that holds the row in registers
+    (the widest loops over tiles)."""
+    ruled = _ruled(SOFTMAX_RULES, (direction, elem_size), columns, cc)
+    if ruled is not None:
+        return ruled
     if direction == "fwd" and elem_size == 2:
         return _half_forward_config(columns, cc)
     if direction == "bwd" and elem_size == 2 and 512 < columns <= 1024:
         return RowConfig(32, 4, 2)  # measured: two tiles per warp beat one
-    usable = _usable(SOFTMAX_CONFIGS, cc)
+    usable = [c for c in _usable(SOFTMAX_CONFIGS, cc) if not c.min_blocks]
     # 16-byte vectors per thread that stay in registers without spilling at 1024 threads
     budget = 8 if direction == "fwd" and elem_size == 4 else 4
     ordered = sorted((c for c in usable if c.vpt <= budget),
@@ -131,17 +157,25 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
 
 
 def ce_fwd_config(rows: int, classes: int, elem_size: int, cc: int, sm_count: int) -> RowConfig:
-    """A warp per short row; a 256-thread block per row; a cluster per row when rows are too few to fill the GPU."""
+    """A CE_FWD_RULES entry, else a warp per short row; a 256-thread block per row; a cluster per row when
+    rows are too few to fill the GPU."""
+    ruled = _ruled(CE_FWD_RULES, (elem_size,), classes, cc)
+    if ruled is not None:
+        return ruled
     if classes <= CE_FWD_CONFIGS[0].capacity(elem_size):
         return CE_FWD_CONFIGS[0]
     tiles = -(-classes // CE_FWD_CONFIGS[1].capacity(elem_size))
     if cc < CLUSTER_MIN_CC or rows >= 2 * sm_count or tiles < 8:
-        return CE_FWD_CONFIGS[1]
+        # 16-bit: held to 64 registers, four blocks per multiprocessor (H200: 0.69 -> 0.76 of copy at 32000
+        # classes, 0.93 -> 0.99 at 128256)
+        return RowConfig(256, 1, 4, 1, 4) if elem_size == 2 else CE_FWD_CONFIGS[1]
     return CE_FWD_CONFIGS[2] if rows >= sm_count // 2 else CE_FWD_CONFIGS[3]
 
 
-def blocksparse_config(row_length: int, elem_size: int) -> RowConfig:
-    return _smallest_fitting(BLOCKSPARSE_CONFIGS, row_length, elem_size)
+def blocksparse_config(row_length: int, elem_size: int, floats_per_thread: int) -> RowConfig:
+    """A warp per row: the smallest tile holding the row, at most `floats_per_thread` values per thread."""
+    fitting = [c for c in BLOCKSPARSE_CONFIGS if c.vpt * (16 // elem_size) <= floats_per_thread]
+    return _smallest_fitting(fitting or BLOCKSPARSE_CONFIGS[:1], row_length, elem_size)
 
 
 def grid_blocks(rows: int, cfg: RowConfig) -> int:

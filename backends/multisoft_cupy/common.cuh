@@ -287,9 +287,14 @@ __device__ __forceinline__ Stats row_reduce(Stats v) {
     }
 }
 
-// Launch bounds and, for CLUSTER > 1, the compile-time cluster shape.
+// Launch bounds and, for CLUSTER > 1, the compile-time cluster shape. MIN_BLOCKS
+// resident blocks per multiprocessor cap the registers; 0 takes the default:
 // 512-thread blocks are held to 64 registers so that two fit on a multiprocessor.
 #define MS_MIN_BLOCKS(THREADS) ((THREADS) == 512 ? 2 : 1)
-#define MS_ROW_KERNEL(THREADS) __global__ void __launch_bounds__(THREADS, MS_MIN_BLOCKS(THREADS))
-#define MS_CLUSTER_KERNEL(THREADS, CLUSTER) \
-    __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MS_MIN_BLOCKS(THREADS))
+#define MS_BLOCKS_OR_DEFAULT(THREADS, MIN_BLOCKS) ((MIN_BLOCKS) > 0 ? (MIN_BLOCKS) : MS_MIN_BLOCKS(THREADS))
+#define MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) \
+    __global__ void __launch_bounds__(THREADS, MS_BLOCKS_OR_DEFAULT(THREADS, MIN_BLOCKS))
+#define MS_ROW_KERNEL(THREADS) MS_ROW_KERNEL_MIN(THREADS, 0)
+#define MS_CLUSTER_KERNEL(THREADS, CLUSTER, MIN_BLOCKS) \
+    __global__ void __cluster_dims__(CLUSTER, 1, 1)     \
+        __launch_bounds__(THREADS, MS_BLOCKS_OR_DEFAULT(THREADS, MIN_BLOCKS))

@@ -14,13 +14,14 @@ __device__ __forceinline__ void ce_fwd_rows(const T* logits, const TI* target, c
     const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
     const bool vec = vec_ok != 0, smooth = eps != 0.f;
     const DenseMap map;
-        typename TL::Regs v;
+    typename TL::Regs v;
     for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
         const T* xr = logits + row * C;
+        const i64 t = (i64)target[row];  // fetched early: its latency hides behind the tiles
         // m, s: logsumexp; a: sum_c w[c] * x[c]; b: sum_c w[c] (label smoothing only)
         Stats st = stats_empty();
-        for (i64 t = rank; t < ntiles; t += CLUSTER) {
-            const i64 start = t * TL::SIZE;
+        for (i64 tile = rank; tile < ntiles; tile += CLUSTER) {
+            const i64 start = tile * TL::SIZE;
             TL::load(v, xr, map, start, C, lane, vec, -MS_INF);
             float tile_max = -MS_INF;
 #pragma unroll
@@ -48,7 +49,6 @@ __device__ __forceinline__ void ce_fwd_rows(const T* logits, const TI* target, c
         if (lane == 0 && rank == 0) {
             const float row_lse = st.m + logf(st.s);
             lse[row] = row_lse;
-            const i64 t = (i64)target[row];
             float value;
             if (t == ignore_index) {
                 value = 0.f;
@@ -64,53 +64,56 @@ __device__ __forceinline__ void ce_fwd_rows(const T* logits, const TI* target, c
     }
 }
 
-template <typename T, typename TI, int TPR, int ROWS, int VPT>
-MS_ROW_KERNEL(TPR * ROWS) ce_fwd(const T* logits, const TI* target, const float* weight, float* loss, float* lse,
-                                 i64 M, i64 C, i64 ignore_index, float eps, int vec_ok) {
+template <typename T, typename TI, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
+MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) ce_fwd(const T* logits, const TI* target, const float* weight, float* loss,
+                                                 float* lse, i64 M, i64 C, i64 ignore_index, float eps, int vec_ok) {
     ce_fwd_rows<T, TI, TPR, ROWS, VPT, 1>(logits, target, weight, loss, lse, M, C, ignore_index, eps, vec_ok);
 }
 
 #if __CUDA_ARCH__ >= 900
-template <typename T, typename TI, int TPR, int VPT, int CLUSTER>
-MS_CLUSTER_KERNEL(TPR, CLUSTER) ce_fwd_cluster(const T* logits, const TI* target, const float* weight, float* loss,
-                                               float* lse, i64 M, i64 C, i64 ignore_index, float eps, int vec_ok) {
+template <typename T, typename TI, int TPR, int VPT, int CLUSTER, int MIN_BLOCKS = 0>
+MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) ce_fwd_cluster(const T* logits, const TI* target, const float* weight,
+                                                           float* loss, float* lse, i64 M, i64 C, i64 ignore_index,
+                                                           float eps, int vec_ok) {
     ce_fwd_rows<T, TI, TPR, 1, VPT, CLUSTER>(logits, target, weight, loss, lse, M, C, ignore_index, eps, vec_ok);
 }
 #endif
 
 // grad[i, c] = g * ((1 - eps) * w[t] * (p[c] - (c == t)) + eps / C * (W * p[c] - w[c])).
-// Block (x, y) handles tiles x, x + gridDim.x, ... of rows y, y + gridDim.y, ...
+// Block (x, y) handles tiles x, x + gridDim.x, ... of the y-th, (y + gridDim.y)-th, ... rows,
+// counted from the last row with `reverse` (the forward ends there, so those tiles may still be in L2).
 // `grad` may be `logits`: every element is read before the same thread writes it.
-template <typename T, typename TI, int THREADS, int VPT>
-MS_ROW_KERNEL(THREADS) ce_bwd(const T* logits, const TI* target, const float* weight, const float* weight_sum,
-                              const float* lse, const float* grad_loss, T* grad, i64 M, i64 C, i64 ignore_index,
-                              float eps, int vec_ok) {
+template <typename T, typename TI, int THREADS, int VPT, int MIN_BLOCKS = 0>
+MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) ce_bwd(const T* logits, const TI* target, const float* weight,
+                                              const float* weight_sum, const float* lse, const float* grad_loss,
+                                              T* grad, i64 M, i64 C, i64 ignore_index, float eps, int vec_ok,
+                                              int reverse) {
     using TL = Tile<T, THREADS, VPT>;
     const int lane = threadIdx.x;
     const i64 ntiles = (C + TL::SIZE - 1) / TL::SIZE;
     const bool vec = vec_ok != 0, smooth = eps != 0.f;
     const DenseMap map;
-    const float total_weight = weight ? *weight_sum : (float)C;
     typename TL::Regs v;
-    for (i64 row = blockIdx.y; row < M; row += gridDim.y) {
-        const i64 t = (i64)target[row];
-        const bool ignored = t == ignore_index, invalid = !ignored && (t < 0 || t >= C);
-        const float g = grad_loss[row], row_lse = lse[row];
-        const float target_coef = ignored || invalid ? 0.f : g * (1.f - eps) * (weight ? weight[t] : 1.f);
-        const float smooth_coef = g * eps / (float)C;
-        const float fill = invalid ? MS_NAN : 0.f;
+    for (i64 step = blockIdx.y; step < M; step += gridDim.y) {
+        const i64 row = reverse ? M - 1 - step : step;
         for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
             const i64 start = tile * TL::SIZE;
-            T* gr = grad + row * C;
-            // the target's position among this thread's elements, as TL::offset counts them; -1 if absent
-            const i64 rel = t - start - (vec ? (i64)lane * TL::VEC : (i64)lane);
-            const int target_at = rel >= 0 && rel < TL::SIZE ? (int)rel : -1;
+            // loaded before the row's scalars are known, so that their latencies overlap
+            TL::load(v, logits + row * C, map, start, C, lane, vec, 0.f);
+            const i64 t = (i64)target[row];
+            const bool ignored = t == ignore_index, invalid = !ignored && (t < 0 || t >= C);
+            const float g = grad_loss[row], row_lse = lse[row];
             float out[TL::EPT];
             if (ignored || invalid) {
 #pragma unroll
-                for (int e = 0; e < TL::EPT; ++e) out[e] = fill;
+                for (int e = 0; e < TL::EPT; ++e) out[e] = invalid ? MS_NAN : 0.f;
             } else {
-                TL::load(v, logits + row * C, map, start, C, lane, vec, 0.f);
+                const float target_coef = g * (1.f - eps) * (weight ? weight[t] : 1.f);
+                const float smooth_coef = g * eps / (float)C;
+                const float total_weight = weight ? *weight_sum : (float)C;
+                // the target's position among this thread's elements, as TL::offset counts them; -1 if absent
+                const i64 rel = t - start - (vec ? (i64)lane * TL::VEC : (i64)lane);
+                const int target_at = rel >= 0 && rel < TL::SIZE ? (int)rel : -1;
 #pragma unroll
                 for (int e = 0; e < TL::EPT; ++e) {
                     const float p = exp_diff(TL::get(v, e), row_lse);
@@ -123,7 +126,7 @@ MS_ROW_KERNEL(THREADS) ce_bwd(const T* logits, const TI* target, const float* we
                 }
             }
             TL::set_all(v, out);
-            TL::store(v, gr, map, start, C, lane, vec);
+            TL::store(v, grad + row * C, map, start, C, lane, vec);
         }
     }
 }

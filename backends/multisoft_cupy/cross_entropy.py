@@ -7,6 +7,8 @@ from ._module import aligned, ctype, device_index, device_info, f32, i32, i64, i
 
 SOURCE = "cross_entropy.cu"
 _MAX_GRID_Y = 65535
+# The backward walks the rows from the last one, which the forward read most recently (L2 hits).
+BACKWARD_LAST_ROW_FIRST = True
 
 
 def forward(logits, target, weight, loss, lse, ignore_index: int, label_smoothing: float) -> None:
@@ -29,7 +31,7 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
     tiles = -(-classes // cfg.capacity(elem))
     vec = classes % (16 // elem) == 0 and aligned(logits, grad_logits)
     args = (ptr(logits), ptr(target), ptr(weight), ptr(weight_sum), ptr(lse), ptr(grad_loss), ptr(grad_logits),
-            i64(rows), i64(classes), i64(ignore_index), f32(label_smoothing), i32(vec))
-    expression = _catalog.ce_bwd_kernel(ctype(logits.dtype), index_ctype(target.dtype))
+            i64(rows), i64(classes), i64(ignore_index), f32(label_smoothing), i32(vec), i32(BACKWARD_LAST_ROW_FIRST))
+    expression = _catalog.ce_bwd_kernel(ctype(logits.dtype), index_ctype(target.dtype), cfg)
     grid = (min(tiles, _catalog.MAX_GRID), min(rows, _MAX_GRID_Y), 1)
     launch(logits, SOURCE, expression, grid, (cfg.threads, 1, 1), args)

@@ -85,7 +85,7 @@ __device__ __forceinline__ void softmax_bwd_rows(const T* y, const T* dy, T* dx,
     const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
     const bool vec = vec_ok != 0;
     const DenseMap map;
-        typename TL::Regs vy, vd;
+    typename TL::Regs vy, vd;
     for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
         const i64 base = row * N;
         Stats st = stats_empty();
@@ -117,25 +117,28 @@ __device__ __forceinline__ void softmax_bwd_rows(const T* y, const T* dy, T* dx,
     }
 }
 
-template <typename T, int TPR, int ROWS, int VPT>
-MS_ROW_KERNEL(TPR * ROWS) softmax_fwd(const T* x, T* out, i64 M, i64 N, int log_mode, int vec_ok) {
+// MIN_BLOCKS: see MS_ROW_KERNEL_MIN.
+template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
+MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) softmax_fwd(const T* x, T* out, i64 M, i64 N, int log_mode, int vec_ok) {
     softmax_fwd_rows<T, TPR, ROWS, VPT, 1>(x, out, M, N, log_mode, vec_ok);
 }
 
-template <typename T, int TPR, int ROWS, int VPT>
-MS_ROW_KERNEL(TPR * ROWS) softmax_bwd(const T* y, const T* dy, T* dx, i64 M, i64 N, int log_mode, int vec_ok) {
+template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
+MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) softmax_bwd(const T* y, const T* dy, T* dx, i64 M, i64 N, int log_mode,
+                                                       int vec_ok) {
     softmax_bwd_rows<T, TPR, ROWS, VPT, 1>(y, dy, dx, M, N, log_mode, vec_ok);
 }
 
 #if __CUDA_ARCH__ >= 900
-template <typename T, int TPR, int VPT, int CLUSTER>
-MS_CLUSTER_KERNEL(TPR, CLUSTER) softmax_fwd_cluster(const T* x, T* out, i64 M, i64 N, int log_mode, int vec_ok) {
+template <typename T, int TPR, int VPT, int CLUSTER, int MIN_BLOCKS = 0>
+MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) softmax_fwd_cluster(const T* x, T* out, i64 M, i64 N, int log_mode,
+                                                                int vec_ok) {
     softmax_fwd_rows<T, TPR, 1, VPT, CLUSTER>(x, out, M, N, log_mode, vec_ok);
 }
 
-template <typename T, int TPR, int VPT, int CLUSTER>
-MS_CLUSTER_KERNEL(TPR, CLUSTER) softmax_bwd_cluster(const T* y, const T* dy, T* dx, i64 M, i64 N, int log_mode,
-                                                    int vec_ok) {
+template <typename T, int TPR, int VPT, int CLUSTER, int MIN_BLOCKS = 0>
+MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) softmax_bwd_cluster(const T* y, const T* dy, T* dx, i64 M, i64 N,
+                                                                int log_mode, int vec_ok) {
     softmax_bwd_rows<T, TPR, 1, VPT, CLUSTER>(y, dy, dx, M, N, log_mode, vec_ok);
 }
 #endif

@@ -1,8 +1,10 @@
-"""Device functions shared by the kernels: dtype loads and stores, bfloat16 bits, block reductions.
+"""Device functions shared by the kernels: dtype codecs, bfloat16 bits, block reductions.
 
-Every value is float32 inside. bfloat16 tensors reach the kernels as int16 arrays
-of their bits (numba has no bfloat16 arrays); float16 ones as numba float16 arrays.
-Reductions go through shared memory, which the CUDA simulator supports too.
+Every value is float32 inside. Kernels read and write "words": a float32 or float16
+element (PLAIN), the int16 bits of one bfloat16 (BF16; numba has no bfloat16 arrays),
+or an int32 holding two bfloat16 (BF16_PAIRS: one 4-byte access for two elements,
+element 2i in the low half). Reductions go through shared memory, which the CUDA
+simulator supports too.
 """
 
 import math
@@ -49,12 +51,68 @@ def bf16_bits_to_float(bits):
 
 
 @device_function
-def float_to_bf16_bits(v):
-    """float32 -> bfloat16 bits, rounded to nearest even; NaN stays NaN (quieted, sign kept)."""
+def bf16_rounded(v):
+    """An int32 whose upper half is v rounded to bfloat16 (to nearest even; NaN stays NaN,
+    quieted, sign kept); the lower half is garbage."""
     u = int32(_float_as_int(v))
     if v != v:
-        return int16((u >> 16) | 0x40)
-    return int16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+        return int32(u | 0x400000)
+    return int32(u + 0x7FFF + ((u >> 16) & 1))
+
+
+@device_function
+def float_to_bf16_bits(v):
+    """float32 -> bfloat16 bits, rounded to nearest even; NaN stays NaN (quieted, sign kept)."""
+    return int16(bf16_rounded(v) >> 16)
+
+
+HIGH_HALF = int32(-65536)   # 0xFFFF0000
+LOW_HALF = int32(0xFFFF)
+
+
+@device_function
+def pair_to_floats(word):
+    """The two bfloat16 of an int32 word as float32: (low half, high half)."""
+    return _int_as_float(int32(word << 16)), _int_as_float(int32(word & HIGH_HALF))
+
+
+@device_function
+def floats_to_pair(low, high):
+    """Two float32 rounded to bfloat16 and packed into one int32 word (low half first)."""
+    return int32((bf16_rounded(high) & HIGH_HALF) | ((bf16_rounded(low) >> 16) & LOW_HALF))
+
+
+PLAIN, BF16, BF16_PAIRS = 0, 1, 2
+
+
+@device_function
+def unpack_plain(word):
+    return (float32(word),)
+
+
+@device_function
+def unpack_bf16(word):
+    return (bf16_bits_to_float(word),)
+
+
+@device_function
+def pack_plain(first, second):
+    return first
+
+
+@device_function
+def pack_bf16(first, second):
+    return float_to_bf16_bits(first)
+
+
+def codec(kind):
+    """(elements per word, unpack(word) -> tuple of its float32 elements,
+    pack(first, second) -> word; `second` is ignored with one element per word)."""
+    if kind == BF16_PAIRS:
+        return 2, pair_to_floats, floats_to_pair
+    if kind == BF16:
+        return 1, unpack_bf16, pack_bf16
+    return 1, unpack_plain, pack_plain
 
 
 @device_function

@@ -185,6 +185,18 @@ def launch(kernel_, grid, threads: int, args) -> None:
             _compiled[key] = compiled
 
 
+def word_views(tensors, pairs: bool):
+    """(codec kind, the tensors as the kernels' word arrays): bfloat16 goes as int32 pairs
+    when `pairs` and every tensor's rows start 4-byte aligned (even row length and offset)."""
+    from ._device import BF16, BF16_PAIRS, PLAIN
+    if tensors[0].dtype != torch.bfloat16:
+        return PLAIN, tensors
+    if pairs and all(t.shape[-1] % 2 == 0 and t.storage_offset() % 2 == 0 and t.data_ptr() % 4 == 0
+                     for t in tensors):
+        return BF16_PAIRS, tuple(t.view(torch.int32) for t in tensors)
+    return BF16, tensors
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -13,167 +13,237 @@ Three ways to walk a row, all reading in float32 and writing in the row's dtype:
 - looping (the rest, and the simulator, which runs one block at a time): one
   block per row, two reads (online max/sum, then the output), UNROLL loads in
   flight per thread.
+
+Kernels are built by the factories below per (codec kind, log, elements per
+thread), all compile-time constants. Rows are read and written in words
+(_device.codec) through one-row views indexed with unsigned integers, which
+numba compiles without negative-index wraparound.
 """
 
 import functools
 
 import numpy
 import torch
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint64
 
-from ._device import (NEG_INF, block_max, block_online_merge, block_sum, expf, kahan_add, load, logf, nan_max,
-                      online_add_all, online_merge, store)
-from ._glue import MAX_THREADS, SIMULATOR, device_function, is_bf16, kernel, launch, threads_for
+from ._device import (NEG_INF, block_max, block_online_merge, block_sum, codec, expf, kahan_add, logf, nan_max,
+                      online_add_all, online_merge)
+from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, word_views
 
-CACHE = 16       # forward: row elements per thread held in registers
-CACHE_BWD = 8    # backward: elements of y and of dy per thread
-UNROLL = 8       # loads per thread per step of the looping kernels
+CACHE = 32       # forward: row elements per thread held in registers (rows up to 1024 * CACHE)
+CACHE_BWD = 16   # backward: elements of y and of dy per thread (the plan aims at these counts)
+UNROLL = 8       # elements per thread per step of the looping kernels
 MAX_PARTS = 64   # most blocks one row is split into
 SPLIT_THREADS = 512   # several blocks per SM, so one's loads overlap another's waiting
+BF16_PAIRS = True     # bfloat16 rows of even length read and written two elements per access
+SPIN_SLEEP_NS = 0     # split path: nanoseconds the waiting thread sleeps between polls (0: none)
 
 
-@kernel
-def _forward_cached(x, out, log, bf16):
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    n = x.shape[1]
-    buf = cuda.shared.array(MAX_THREADS, float32)
-    vals = cuda.local.array(CACHE, float32)
-    m = NEG_INF
-    for k in range(CACHE):
-        c = tid + k * threads
-        v = NEG_INF
-        if c < n:
-            v = load(x, row, c, bf16)
-        vals[k] = v
-        if v > m or v != v:
-            m = v
-    m = block_max(buf, m)
-    s = float32(0.0)
-    for k in range(CACHE):
-        if tid + k * threads < n:
+@functools.cache
+def _forward_cached(kind, log, cache):
+    per, unpack, pack = codec(kind)
+    words = cache // per
+
+    @kernel
+    def forward_cached(x, out):
+        row = uint64(cuda.blockIdx.x)
+        x_row = x[row]
+        out_row = out[row]
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n = x.shape[1]
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        vals = cuda.local.array(cache, float32)
+        for k in range(words):
+            c = tid + k * threads
+            if c < n:
+                got = unpack(x_row[uint64(c)])
+                for j in range(per):
+                    vals[k * per + j] = got[j]
+            else:
+                for j in range(per):
+                    vals[k * per + j] = NEG_INF
+        m = NEG_INF
+        for k in range(cache):
+            m = nan_max(m, vals[k])
+        m = block_max(buf, m)
+        s = float32(0.0)
+        for k in range(cache):
             e = expf(vals[k] - m)
             s += e
             if not log:
                 vals[k] = e
-    s = block_sum(buf, s)
-    log_s = logf(s)
-    inv_s = float32(1.0) / s
-    for k in range(CACHE):
-        c = tid + k * threads
-        if c < n:
-            if log:
-                store(out, row, c, (vals[k] - m) - log_s, bf16)
-            else:
-                store(out, row, c, vals[k] * inv_s, bf16)
-
-
-@kernel
-def _forward_looping(x, out, log, bf16):
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    n = x.shape[1]
-    buf_m = cuda.shared.array(MAX_THREADS, float32)
-    buf_s = cuda.shared.array(MAX_THREADS, float32)
-    vals = cuda.local.array(UNROLL, float32)
-    m = NEG_INF
-    s = float32(0.0)
-    for base in range(tid, n, threads * UNROLL):
-        for k in range(UNROLL):
-            c = base + k * threads
-            v = NEG_INF
+        s = block_sum(buf, s)
+        log_s = logf(s)
+        inv_s = float32(1.0) / s
+        for k in range(words):
+            c = tid + k * threads
             if c < n:
-                v = load(x, row, c, bf16)
-            vals[k] = v
-        m, s = online_add_all(m, s, vals)
-    m, s = block_online_merge(buf_m, buf_s, m, s)
-    log_s = logf(s)
-    inv_s = float32(1.0) / s
-    for base in range(tid, n, threads * UNROLL):
-        for k in range(UNROLL):
-            c = base + k * threads
-            if c < n:
-                vals[k] = load(x, row, c, bf16)
-        for k in range(UNROLL):
-            c = base + k * threads
-            if c < n:
+                first = vals[k * per]
+                second = vals[k * per + per - 1]
                 if log:
-                    store(out, row, c, (vals[k] - m) - log_s, bf16)
+                    out_row[uint64(c)] = pack((first - m) - log_s, (second - m) - log_s)
                 else:
-                    store(out, row, c, expf(vals[k] - m) * inv_s, bf16)
+                    out_row[uint64(c)] = pack(first * inv_s, second * inv_s)
+
+    return forward_cached
 
 
-@kernel
-def _backward_cached(y, dy, dx, log, bf16):
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    n = y.shape[1]
-    buf = cuda.shared.array(MAX_THREADS, float32)
-    ys = cuda.local.array(CACHE_BWD, float32)
-    gs = cuda.local.array(CACHE_BWD, float32)
-    acc = float32(0.0)
-    for k in range(CACHE_BWD):
-        c = tid + k * threads
-        a = float32(0.0)
-        g = float32(0.0)
-        if c < n:
-            a = load(y, row, c, bf16)
-            g = load(dy, row, c, bf16)
-        ys[k] = a
-        gs[k] = g
-    for k in range(CACHE_BWD):
-        acc += gs[k] if log else ys[k] * gs[k]
-    acc = block_sum(buf, acc)
-    for k in range(CACHE_BWD):
-        c = tid + k * threads
-        if c < n:
-            if log:
-                store(dx, row, c, gs[k] - expf(ys[k]) * acc, bf16)
+@functools.cache
+def _forward_looping(kind, log, unroll):
+    per, unpack, pack = codec(kind)
+    words = unroll // per
+
+    @kernel
+    def forward_looping(x, out):
+        row = uint64(cuda.blockIdx.x)
+        x_row = x[row]
+        out_row = out[row]
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n = x.shape[1]
+        buf_m = cuda.shared.array(MAX_THREADS, float32)
+        buf_s = cuda.shared.array(MAX_THREADS, float32)
+        vals = cuda.local.array(unroll, float32)
+        m = NEG_INF
+        s = float32(0.0)
+        for base in range(tid, n, threads * words):
+            for k in range(words):
+                c = base + k * threads
+                if c < n:
+                    got = unpack(x_row[uint64(c)])
+                    for j in range(per):
+                        vals[k * per + j] = got[j]
+                else:
+                    for j in range(per):
+                        vals[k * per + j] = NEG_INF
+            m, s = online_add_all(m, s, vals)
+        m, s = block_online_merge(buf_m, buf_s, m, s)
+        log_s = logf(s)
+        inv_s = float32(1.0) / s
+        for base in range(tid, n, threads * words):
+            for k in range(words):
+                c = base + k * threads
+                if c < n:
+                    got = unpack(x_row[uint64(c)])
+                    for j in range(per):
+                        vals[k * per + j] = got[j]
+            for k in range(words):
+                c = base + k * threads
+                if c < n:
+                    first = vals[k * per]
+                    second = vals[k * per + per - 1]
+                    if log:
+                        out_row[uint64(c)] = pack((first - m) - log_s, (second - m) - log_s)
+                    else:
+                        out_row[uint64(c)] = pack(expf(first - m) * inv_s, expf(second - m) * inv_s)
+
+    return forward_looping
+
+
+@functools.cache
+def _backward_cached(kind, log, cache):
+    per, unpack, pack = codec(kind)
+    words = cache // per
+
+    @kernel
+    def backward_cached(y, dy, dx):
+        row = uint64(cuda.blockIdx.x)
+        y_row = y[row]
+        dy_row = dy[row]
+        dx_row = dx[row]
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n = y.shape[1]
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        ys = cuda.local.array(cache, float32)
+        gs = cuda.local.array(cache, float32)
+        for k in range(words):
+            c = tid + k * threads
+            if c < n:
+                got_y = unpack(y_row[uint64(c)])
+                got_g = unpack(dy_row[uint64(c)])
+                for j in range(per):
+                    ys[k * per + j] = got_y[j]
+                    gs[k * per + j] = got_g[j]
             else:
-                store(dx, row, c, ys[k] * (gs[k] - acc), bf16)
-
-
-@kernel
-def _backward_looping(y, dy, dx, log, bf16):
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    n = y.shape[1]
-    buf = cuda.shared.array(MAX_THREADS, float32)
-    ys = cuda.local.array(UNROLL, float32)
-    gs = cuda.local.array(UNROLL, float32)
-    acc = float32(0.0)
-    lost = float32(0.0)
-    for base in range(tid, n, threads * UNROLL):
-        for k in range(UNROLL):
-            c = base + k * threads
-            a = float32(0.0)
-            g = float32(0.0)
+                for j in range(per):
+                    ys[k * per + j] = float32(0.0)
+                    gs[k * per + j] = float32(0.0)
+        acc = float32(0.0)
+        for k in range(cache):
+            acc += gs[k] if log else ys[k] * gs[k]
+        acc = block_sum(buf, acc)
+        for k in range(words):
+            c = tid + k * threads
             if c < n:
-                g = load(dy, row, c, bf16)
-                if not log:
-                    a = load(y, row, c, bf16)
-            ys[k] = a
-            gs[k] = g
-        for k in range(UNROLL):
-            acc, lost = kahan_add(acc, lost, gs[k] if log else ys[k] * gs[k])
-    acc = block_sum(buf, acc - lost)
-    for base in range(tid, n, threads * UNROLL):
-        for k in range(UNROLL):
-            c = base + k * threads
-            if c < n:
-                ys[k] = load(y, row, c, bf16)
-                gs[k] = load(dy, row, c, bf16)
-        for k in range(UNROLL):
-            c = base + k * threads
-            if c < n:
+                i = k * per
+                last = i + per - 1
                 if log:
-                    store(dx, row, c, gs[k] - expf(ys[k]) * acc, bf16)
+                    dx_row[uint64(c)] = pack(gs[i] - expf(ys[i]) * acc, gs[last] - expf(ys[last]) * acc)
                 else:
-                    store(dx, row, c, ys[k] * (gs[k] - acc), bf16)
+                    dx_row[uint64(c)] = pack(ys[i] * (gs[i] - acc), ys[last] * (gs[last] - acc))
+
+    return backward_cached
+
+
+@functools.cache
+def _backward_looping(kind, log, unroll):
+    per, unpack, pack = codec(kind)
+    words = unroll // per
+
+    @kernel
+    def backward_looping(y, dy, dx):
+        row = uint64(cuda.blockIdx.x)
+        y_row = y[row]
+        dy_row = dy[row]
+        dx_row = dx[row]
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n = y.shape[1]
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        ys = cuda.local.array(unroll, float32)
+        gs = cuda.local.array(unroll, float32)
+        acc = float32(0.0)
+        lost = float32(0.0)
+        for base in range(tid, n, threads * words):
+            for k in range(words):
+                c = base + k * threads
+                if c < n:
+                    got_g = unpack(dy_row[uint64(c)])
+                    for j in range(per):
+                        gs[k * per + j] = got_g[j]
+                    if not log:
+                        got_y = unpack(y_row[uint64(c)])
+                        for j in range(per):
+                            ys[k * per + j] = got_y[j]
+                else:
+                    for j in range(per):
+                        ys[k * per + j] = float32(0.0)
+                        gs[k * per + j] = float32(0.0)
+            for k in range(unroll):
+                acc, lost = kahan_add(acc, lost, gs[k] if log else ys[k] * gs[k])
+        acc = block_sum(buf, acc - lost)
+        for base in range(tid, n, threads * words):
+            for k in range(words):
+                c = base + k * threads
+                if c < n:
+                    got_y = unpack(y_row[uint64(c)])
+                    got_g = unpack(dy_row[uint64(c)])
+                    for j in range(per):
+                        ys[k * per + j] = got_y[j]
+                        gs[k * per + j] = got_g[j]
+            for k in range(words):
+                c = base + k * threads
+                if c < n:
+                    i = k * per
+                    last = i + per - 1
+                    if log:
+                        dx_row[uint64(c)] = pack(gs[i] - expf(ys[i]) * acc, gs[last] - expf(ys[last]) * acc)
+                    else:
+                        dx_row[uint64(c)] = pack(ys[i] * (gs[i] - acc), ys[last] * (gs[last] - acc))
+
+    return backward_looping
 
 
 @device_function
@@ -186,102 +256,149 @@ def _take_ticket(sync):
     return slot[0]
 
 
-@device_function
-def _publish_and_wait(sync, row, parts):
-    """Count this part of `row` as published (sync[1 + row]) and wait for all `parts`."""
-    if cuda.threadIdx.x == 0:
-        cuda.threadfence()
-        cuda.atomic.add(sync, row + 1, 1)
-        while cuda.atomic.add(sync, row + 1, 0) < parts:
-            pass
-        cuda.threadfence()
-    cuda.syncthreads()
+@functools.cache
+def _publish_and_wait(sleep_ns):
+    """A device function publish_and_wait(sync, row, parts): count this part of `row` as
+    published (sync[1 + row]) and wait for all `parts`, polling every sleep_ns (0: at once)."""
+
+    @device_function
+    def publish_and_wait(sync, row, parts):
+        if cuda.threadIdx.x == 0:
+            cuda.threadfence()
+            cuda.atomic.add(sync, row + 1, 1)
+            while cuda.atomic.add(sync, row + 1, 0) < parts:
+                if sleep_ns > 0:
+                    cuda.nanosleep(sleep_ns)
+            cuda.threadfence()
+        cuda.syncthreads()
+
+    return publish_and_wait
 
 
-@kernel
-def _forward_split(x, out, stats, sync, parts, log, bf16):
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    n = x.shape[1]
-    buf = cuda.shared.array(MAX_THREADS, float32)
-    vals = cuda.local.array(CACHE, float32)
-    ticket = _take_ticket(sync)
-    row = ticket // parts
-    part = ticket % parts
-    start = part * CACHE * threads + tid
-    m = NEG_INF
-    for k in range(CACHE):
-        c = start + k * threads
-        v = NEG_INF
-        if c < n:
-            v = load(x, row, c, bf16)
-        vals[k] = v
-        m = nan_max(m, v)
-    m = block_max(buf, m)
-    s = float32(0.0)
-    if m != NEG_INF:
-        for k in range(CACHE):
-            if start + k * threads < n:
-                s += expf(vals[k] - m)
-    s = block_sum(buf, s)
-    at = row * 2 * parts + part
-    if tid == 0:
-        stats[at] = m
-        stats[at + parts] = s
-    _publish_and_wait(sync, row, parts)
-    m = NEG_INF
-    s = float32(0.0)
-    for p in range(parts):
-        m, s = online_merge(m, s, cuda.ldcg(stats, row * 2 * parts + p), cuda.ldcg(stats, row * 2 * parts + parts + p))
-    log_s = logf(s)
-    inv_s = float32(1.0) / s
-    for k in range(CACHE):
-        c = start + k * threads
-        if c < n:
-            if log:
-                store(out, row, c, (vals[k] - m) - log_s, bf16)
+@functools.cache
+def _forward_split(kind, log, cache, sleep_ns):
+    per, unpack, pack = codec(kind)
+    words = cache // per
+    publish_and_wait = _publish_and_wait(sleep_ns)
+
+    @kernel
+    def forward_split(x, out, stats, sync, parts):
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n = x.shape[1]
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        vals = cuda.local.array(cache, float32)
+        ticket = _take_ticket(sync)
+        row = ticket // parts
+        urow = uint64(row)
+        x_row = x[urow]
+        out_row = out[urow]
+        part = ticket % parts
+        start = part * words * threads + tid
+        for k in range(words):
+            c = start + k * threads
+            if c < n:
+                got = unpack(x_row[uint64(c)])
+                for j in range(per):
+                    vals[k * per + j] = got[j]
             else:
-                store(out, row, c, expf(vals[k] - m) * inv_s, bf16)
+                for j in range(per):
+                    vals[k * per + j] = NEG_INF
+        m = NEG_INF
+        for k in range(cache):
+            m = nan_max(m, vals[k])
+        part_m = block_max(buf, m)
+        s = float32(0.0)
+        if part_m != NEG_INF:
+            for k in range(cache):
+                e = expf(vals[k] - part_m)
+                s += e
+                if not log:
+                    vals[k] = e   # softmax keeps exp(x - part_m), rescaled below
+        elif not log:
+            for k in range(cache):
+                vals[k] = float32(0.0)
+        s = block_sum(buf, s)
+        at = row * 2 * parts + part
+        if tid == 0:
+            stats[at] = part_m
+            stats[at + parts] = s
+        publish_and_wait(sync, row, parts)
+        m = NEG_INF
+        s = float32(0.0)
+        for p in range(parts):
+            m, s = online_merge(m, s, cuda.ldcg(stats, row * 2 * parts + p),
+                                cuda.ldcg(stats, row * 2 * parts + parts + p))
+        log_s = logf(s)
+        scale = expf(part_m - m) / s
+        for k in range(words):
+            c = start + k * threads
+            if c < n:
+                first = vals[k * per]
+                second = vals[k * per + per - 1]
+                if log:
+                    out_row[uint64(c)] = pack((first - m) - log_s, (second - m) - log_s)
+                else:
+                    out_row[uint64(c)] = pack(first * scale, second * scale)
+
+    return forward_split
 
 
-@kernel
-def _backward_split(y, dy, dx, stats, sync, parts, log, bf16):
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    n = y.shape[1]
-    buf = cuda.shared.array(MAX_THREADS, float32)
-    ys = cuda.local.array(CACHE_BWD, float32)
-    gs = cuda.local.array(CACHE_BWD, float32)
-    ticket = _take_ticket(sync)
-    row = ticket // parts
-    part = ticket % parts
-    start = part * CACHE_BWD * threads + tid
-    for k in range(CACHE_BWD):
-        c = start + k * threads
-        a = float32(0.0)
-        g = float32(0.0)
-        if c < n:
-            a = load(y, row, c, bf16)
-            g = load(dy, row, c, bf16)
-        ys[k] = a
-        gs[k] = g
-    acc = float32(0.0)
-    for k in range(CACHE_BWD):
-        acc += gs[k] if log else ys[k] * gs[k]
-    acc = block_sum(buf, acc)
-    if tid == 0:
-        stats[row * parts + part] = acc
-    _publish_and_wait(sync, row, parts)
-    acc = float32(0.0)
-    for p in range(parts):
-        acc += cuda.ldcg(stats, row * parts + p)
-    for k in range(CACHE_BWD):
-        c = start + k * threads
-        if c < n:
-            if log:
-                store(dx, row, c, gs[k] - expf(ys[k]) * acc, bf16)
+@functools.cache
+def _backward_split(kind, log, cache, sleep_ns):
+    per, unpack, pack = codec(kind)
+    words = cache // per
+    publish_and_wait = _publish_and_wait(sleep_ns)
+
+    @kernel
+    def backward_split(y, dy, dx, stats, sync, parts):
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n = y.shape[1]
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        ys = cuda.local.array(cache, float32)
+        gs = cuda.local.array(cache, float32)
+        ticket = _take_ticket(sync)
+        row = ticket // parts
+        urow = uint64(row)
+        y_row = y[urow]
+        dy_row = dy[urow]
+        dx_row = dx[urow]
+        part = ticket % parts
+        start = part * words * threads + tid
+        for k in range(words):
+            c = start + k * threads
+            if c < n:
+                got_y = unpack(y_row[uint64(c)])
+                got_g = unpack(dy_row[uint64(c)])
+                for j in range(per):
+                    ys[k * per + j] = got_y[j]
+                    gs[k * per + j] = got_g[j]
             else:
-                store(dx, row, c, ys[k] * (gs[k] - acc), bf16)
+                for j in range(per):
+                    ys[k * per + j] = float32(0.0)
+                    gs[k * per + j] = float32(0.0)
+        acc = float32(0.0)
+        for k in range(cache):
+            acc += gs[k] if log else ys[k] * gs[k]
+        acc = block_sum(buf, acc)
+        if tid == 0:
+            stats[row * parts + part] = acc
+        publish_and_wait(sync, row, parts)
+        acc = float32(0.0)
+        for p in range(parts):
+            acc += cuda.ldcg(stats, row * parts + p)
+        for k in range(words):
+            c = start + k * threads
+            if c < n:
+                i = k * per
+                last = i + per - 1
+                if log:
+                    dx_row[uint64(c)] = pack(gs[i] - expf(ys[i]) * acc, gs[last] - expf(ys[last]) * acc)
+                else:
+                    dx_row[uint64(c)] = pack(ys[i] * (gs[i] - acc), ys[last] * (gs[last] - acc))
+
+    return backward_split
 
 
 @functools.lru_cache(maxsize=None)
@@ -292,8 +409,9 @@ def _max_parts(device_index: int) -> int:
 
 
 def _plan(n: int, cache: int, device=None):
-    """('cached' | 'split' | 'looping', threads per block, parts per row)."""
-    threads = threads_for(n, 8)
+    """('cached' | 'split' | 'looping', threads per block, parts per row) for rows of n
+    elements and `cache` elements held per thread."""
+    threads = threads_for(n, cache)
     if n <= threads * cache:
         return "cached", threads, 1
     parts = -(-n // (SPLIT_THREADS * cache))
@@ -314,21 +432,28 @@ def _split_buffers(rows: int, parts: int, values_per_part: int, device):
 def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
     path, threads, parts = plan or _plan(n, CACHE, x.device)
+    kind, words = word_views((x, out), BF16_PAIRS)
+    log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        launch(_forward_split, rows * parts, threads, (x, out, stats, sync, numpy.int64(parts), bool(log), is_bf16(x)))
+        launch(_forward_split(kind, log, CACHE, SPIN_SLEEP_NS), rows * parts, threads,
+               (*words, stats, sync, numpy.int64(parts)))
+    elif path == "cached":
+        launch(_forward_cached(kind, log, CACHE), rows, threads, words)
     else:
-        launch(_forward_cached if path == "cached" else _forward_looping, rows, threads,
-               (x, out, bool(log), is_bf16(x)))
+        launch(_forward_looping(kind, log, UNROLL), rows, threads, words)
 
 
 def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
     path, threads, parts = plan or _plan(n, CACHE_BWD, y.device)
+    kind, words = word_views((y, dy, dx), BF16_PAIRS)
+    log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
-        launch(_backward_split, rows * parts, threads,
-               (y, dy, dx, stats, sync, numpy.int64(parts), bool(log), is_bf16(y)))
+        launch(_backward_split(kind, log, CACHE_BWD, SPIN_SLEEP_NS), rows * parts, threads,
+               (*words, stats, sync, numpy.int64(parts)))
+    elif path == "cached":
+        launch(_backward_cached(kind, log, CACHE_BWD), rows, threads, words)
     else:
-        launch(_backward_cached if path == "cached" else _backward_looping, rows, threads,
-               (y, dy, dx, bool(log), is_bf16(y)))
+        launch(_backward_looping(kind, log, UNROLL), rows, threads, words)

@@ -14,7 +14,7 @@ from .utils import next_power_of_2, on_device, warps_for
 TILE_MAX = 8192
 TILE_ELEMENTS = 8192
 LOOP_BLOCK = 16384
-BACKWARD_BLOCK = 4096
+BACKWARD_BLOCK = 8192  # columns (and elements) of one backward program; 8192 measured best on the H200
 
 
 @triton.jit

@@ -18,13 +18,21 @@ import triton.language as tl
 from .utils import interpreting, next_power_of_2, on_device, sm_count, warps_for
 
 # The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
-# backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97.
+# backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
+# forward tile of 32768 columns (one program per SM, its loads and stores not overlapped) 0.74.
 FORWARD_TILE_MAX = {4: 32768, 2: 32768}
 BACKWARD_TILE_MAX = {4: 16384, 2: 32768}
-TILE_ELEMENTS = 8192
+TILE_ELEMENTS = {4: 4096, 2: 8192}  # elements of one program's tile, by element size
 LOOP_BLOCK = 4096
-SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))  # (chunk, num_warps): the first needing few enough chunks
+LOOP_WARPS = 8
+LOOP_FORWARD = False  # long rows forward: the loop path even where the split path could run
+LOOP_BACKWARD = False
+LOOP_PROGRAMS_PER_SM = 0  # loop forward: programs per multiprocessor, each taking rows in turn (0: one per row)
+# (chunk, num_warps) for the split path, by element size: the first needing few enough chunks
+SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))
+SPLIT_CONFIGS_16BIT = ((4096, 4), (8192, 8), (16384, 8))
 SPLIT_TICKET = True
+SPLIT_COUNTER_STRIDE = 32  # int32s between the per-row counters: one 128-byte line each
 
 
 @triton.jit
@@ -45,29 +53,32 @@ def _fwd_tile_kernel(x_ptr, out_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _fwd_loop_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
-    row_start = tl.program_id(0).to(tl.int64) * N
+def _fwd_loop_kernel(x_ptr, out_ptr, M, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
+    """Rows pid, pid + programs, ...: statistics in one pass, the output in a second. With few
+    enough programs the rows being worked on stay in L2, which serves the second read."""
     cols = tl.arange(0, BLOCK)
-    run_max = tl.full((), -float("inf"), tl.float32)
-    run_sum = tl.zeros((), tl.float32)
-    for start in range(0, N, BLOCK):
-        mask = start + cols < N
-        x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max), axis=0)
-        run_max = new_max
-    log_sum = tl.log(run_sum)
-    inverse = 1.0 / run_sum
-    for start in range(0, N, BLOCK):
-        mask = start + cols < N
-        x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        shifted = x - run_max
-        if LOG:
-            y = shifted - log_sum
-        else:
-            y = tl.exp(shifted) * inverse
-        tl.store(out_ptr + row_start + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
+        row_start = row * N
+        run_max = tl.full((), -float("inf"), tl.float32)
+        run_sum = tl.zeros((), tl.float32)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            new_max = tl.maximum(run_max, tl.max(x, axis=0))
+            safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max), axis=0)
+            run_max = new_max
+        log_sum = tl.log(run_sum)
+        inverse = 1.0 / run_sum
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            shifted = x - run_max
+            if LOG:
+                y = shifted - log_sum
+            else:
+                y = tl.exp(shifted) * inverse
+            tl.store(out_ptr + row_start + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -82,18 +93,19 @@ def _claim_chunk(count_ptr, chunks, TICKET: tl.constexpr):
 
 
 @triton.jit
-def _wait_for_row(count_ptr, row, chunks):
+def _wait_for_row(counter_ptr, chunks):
     """Publish this chunk's statistics, then wait until all chunks of the row have."""
     tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + 1 + row, 1, sem="acq_rel") + 1
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
     while arrived < chunks:
-        arrived = tl.atomic_add(count_ptr + 1 + row, 0, sem="acquire")
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire")
     tl.debug_barrier()
 
 
 @triton.jit
 def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
-                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr):
+                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
+                      COUNTER_STRIDE: tl.constexpr):
     row, chunk, ticket = _claim_chunk(count_ptr, chunks, TICKET)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
@@ -103,7 +115,7 @@ def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CH
     safe_max = tl.where(local_max == -float("inf"), 0.0, local_max)
     tl.store(max_ptr + ticket, local_max)
     tl.store(sum_ptr + ticket, tl.sum(tl.exp(x - safe_max), axis=0))
-    _wait_for_row(count_ptr, row, chunks)
+    _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
     parts = row * chunks + tl.arange(0, CHUNKS_P2)
     part_mask = tl.arange(0, CHUNKS_P2) < chunks
     part_max = tl.load(max_ptr + parts, mask=part_mask, other=-float("inf"), volatile=True)
@@ -135,32 +147,35 @@ def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
-    row_start = tl.program_id(0).to(tl.int64) * N
+def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, M, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
+    """Rows pid, pid + programs, ...: the row's sum in one pass, dx in a second (see _fwd_loop_kernel)."""
     cols = tl.arange(0, BLOCK)
-    total = tl.zeros((), tl.float32)
-    for start in range(0, N, BLOCK):
-        mask = start + cols < N
-        dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if LOG:
-            total += tl.sum(dy, axis=0)
-        else:
+    for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
+        row_start = row * N
+        total = tl.zeros((), tl.float32)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                total += tl.sum(dy, axis=0)
+            else:
+                y = tl.load(y_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
+                total += tl.sum(y * dy, axis=0)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
             y = tl.load(y_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-            total += tl.sum(y * dy, axis=0)
-    for start in range(0, N, BLOCK):
-        mask = start + cols < N
-        y = tl.load(y_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if LOG:
-            dx = dy - tl.exp(y) * total
-        else:
-            dx = y * (dy - total)
-        tl.store(dx_ptr + row_start + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                dx = dy - tl.exp(y) * total
+            else:
+                dx = y * (dy - total)
+            tl.store(dx_ptr + row_start + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
-                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr):
+                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
+                      COUNTER_STRIDE: tl.constexpr):
     row, chunk, ticket = _claim_chunk(count_ptr, chunks, TICKET)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
@@ -171,7 +186,7 @@ def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, CHUN
         tl.store(sum_ptr + ticket, tl.sum(dy, axis=0))
     else:
         tl.store(sum_ptr + ticket, tl.sum(y * dy, axis=0))
-    _wait_for_row(count_ptr, row, chunks)
+    _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
     parts = row * chunks + tl.arange(0, CHUNKS_P2)
     part_mask = tl.arange(0, CHUNKS_P2) < chunks
     total = tl.sum(tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True), axis=0)
@@ -182,22 +197,36 @@ def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, CHUN
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _tile_rows(M, block):
-    return max(1, min(TILE_ELEMENTS // block, next_power_of_2(M)))
+def _tile_rows(x, block):
+    return max(1, min(TILE_ELEMENTS[x.element_size()] // block, next_power_of_2(x.shape[0])))
 
 
 def _split_config(x, N):
     """(chunk, num_warps) for the split path, or None when the loop path must be taken.
 
-    A row's chunks wait for each other, so they must all fit on the GPU at once:
-    at most half as many chunks as multiprocessors."""
+    A row's chunks wait for each other. Programs take their (row, chunk) in start
+    order from a ticket counter, so only the newest row can miss chunks that have
+    not started: a row must not have more chunks than programs can run at once
+    (at least one per multiprocessor). Without the ticket, keep a margin of half."""
     if interpreting() or not x.is_cuda:
         return None
-    most_chunks = sm_count(x) // 2
-    for chunk, warps in SPLIT_CONFIGS:
+    most_chunks = sm_count(x) if SPLIT_TICKET else sm_count(x) // 2
+    for chunk, warps in SPLIT_CONFIGS if x.element_size() == 4 else SPLIT_CONFIGS_16BIT:
         if triton.cdiv(N, chunk) <= most_chunks:
             return chunk, warps
     return None
+
+
+def _loop_programs(x):
+    """Programs of the loop path: one per row, or LOOP_PROGRAMS_PER_SM per multiprocessor."""
+    if LOOP_PROGRAMS_PER_SM and x.is_cuda:
+        return min(x.shape[0], LOOP_PROGRAMS_PER_SM * sm_count(x))
+    return x.shape[0]
+
+
+def _split_counters(x, M):
+    """Zeroed int32 counters: the ticket, then one per row, SPLIT_COUNTER_STRIDE apart."""
+    return torch.zeros((M + 1) * SPLIT_COUNTER_STRIDE, device=x.device, dtype=torch.int32)
 
 
 def forward(x, out, log):
@@ -208,21 +237,21 @@ def forward(x, out, log):
     block = next_power_of_2(N)
     with on_device(x):
         if block <= FORWARD_TILE_MAX[x.element_size()]:
-            rows = _tile_rows(M, block)
-            _fwd_tile_kernel[(triton.cdiv(M, rows),)](
-                x, out, M, N, ROWS=rows, BLOCK=block, LOG=log, num_warps=warps_for(rows * block))
+            rows = _tile_rows(x, block)
+            _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
+                                                      num_warps=warps_for(rows * block))
             return
-        config = _split_config(x, N)
+        config = None if LOOP_FORWARD else _split_config(x, N)
         if config is None:
-            _fwd_loop_kernel[(M,)](x, out, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
+            _fwd_loop_kernel[(_loop_programs(x),)](x, out, M, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=LOOP_WARPS)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
-        counts = torch.zeros(M + 1, device=x.device, dtype=torch.int32)
         _fwd_split_kernel[(M * chunks,)](
-            x, out, stats[0], stats[1], counts, N, chunks, CHUNK=chunk,
-            CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET, num_warps=warps)
+            x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
+            CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
 
 
 def backward(y, dy, dx, log):
@@ -233,18 +262,18 @@ def backward(y, dy, dx, log):
     block = next_power_of_2(N)
     with on_device(y):
         if block <= BACKWARD_TILE_MAX[y.element_size()]:
-            rows = _tile_rows(M, block)
-            _bwd_tile_kernel[(triton.cdiv(M, rows),)](
-                y, dy, dx, M, N, ROWS=rows, BLOCK=block, LOG=log, num_warps=warps_for(2 * rows * block))
+            rows = _tile_rows(y, block)
+            _bwd_tile_kernel[(triton.cdiv(M, rows),)](y, dy, dx, M, N, ROWS=rows, BLOCK=block, LOG=log,
+                                                      num_warps=warps_for(2 * rows * block))
             return
-        config = _split_config(y, N)
+        config = None if LOOP_BACKWARD else _split_config(y, N)
         if config is None:
-            _bwd_loop_kernel[(M,)](y, dy, dx, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
+            _bwd_loop_kernel[(_loop_programs(y),)](y, dy, dx, M, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=LOOP_WARPS)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
         sums = torch.empty(M * chunks, device=y.device, dtype=torch.float32)
-        counts = torch.zeros(M + 1, device=y.device, dtype=torch.int32)
         _bwd_split_kernel[(M * chunks,)](
-            y, dy, dx, sums, counts, N, chunks, CHUNK=chunk,
-            CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET, num_warps=warps)
+            y, dy, dx, sums, _split_counters(y, M), N, chunks, CHUNK=chunk,
+            CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
