@@ -179,7 +179,7 @@ def test_launches_on_the_current_non_default_stream():
             out = torch.empty_like(x)
             softmax.forward(x, out, log=False)
             expected = torch.softmax(x.double(), -1)
-            long_rows = (a @ a).view(64, -1) * 1e-3          # split path
+            long_rows = (a @ a).view(64, -1) * 1e-3          # the looping path
             long_out = torch.empty_like(long_rows)
             softmax.forward(long_rows, long_out, log=True)
             long_expected = torch.log_softmax(long_rows.double(), -1)
@@ -190,7 +190,7 @@ def test_launches_on_the_current_non_default_stream():
             loss_expected = F.cross_entropy(logits.double(), target, reduction="none")
             side.synchronize()
             assert_close(out, expected, torch.float32, "softmax on a side stream")
-            assert_close(long_out, long_expected, torch.float32, "split log_softmax on a side stream")
+            assert_close(long_out, long_expected, torch.float32, "long-row log_softmax on a side stream")
             assert_close(loss, loss_expected, torch.float32, "cross_entropy on a side stream")
 
 
@@ -203,9 +203,12 @@ def test_long_row_paths_with_a_masked_part(dtype, path):
     x = (torch.randn(3, n, device=DEVICE) * 3).to(dtype)
     x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path
     x[2] = float("-inf")
+    def plan_for(cache):  # the split path forced on rows longer than its default limit (MAX_PARTS)
+        parts = -(-n // (softmax.SPLIT_THREADS * cache))
+        return ("split", softmax.SPLIT_THREADS, parts) if path == "split" else ("looping", 1024, 1)
+
     for log in (False, True):
-        plan = softmax._plan(n, softmax.CACHE, x.device) if path == "split" else ("looping", 1024, 1)
-        assert plan[0] == path
+        plan = plan_for(softmax.CACHE)
         out = torch.empty_like(x)
         softmax.forward(x, out, log, plan=plan)
         expected = reference_softmax(x, -1, log)
@@ -213,6 +216,6 @@ def test_long_row_paths_with_a_masked_part(dtype, path):
         assert_close(out[:2], expected[:2], dtype, f"{path} forward")
         dy = torch.randn_like(x)
         dx = torch.empty_like(x)
-        bwd_plan = softmax._plan(n, softmax.CACHE_BWD, x.device) if path == "split" else plan
+        bwd_plan = plan_for(softmax.CACHE_BWD)
         softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log, plan=bwd_plan)
         assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype, f"{path} backward")

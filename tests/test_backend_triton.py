@@ -165,20 +165,3 @@ def test_long_rows_split_path_special_rows(columns, dtype, log):
     x[2, 1000] = float("nan")
     x[3, 5::3] = float("-inf")
     _check_softmax(x, log)
-
-
-@needs_kernels
-@pytest.mark.parametrize("log", [False, True])
-def test_loop_path_with_several_rows_per_program(log, monkeypatch):
-    """The loop path's programs take rows in turn when there are fewer programs than rows."""
-    from multisoft_triton import softmax
-
-    monkeypatch.setattr(softmax, "FORWARD_TILE_MAX", {4: 64, 2: 64})
-    monkeypatch.setattr(softmax, "BACKWARD_TILE_MAX", {4: 64, 2: 64})
-    monkeypatch.setattr(softmax, "LOOP_FORWARD", True)
-    monkeypatch.setattr(softmax, "LOOP_BACKWARD", True)
-    monkeypatch.setattr(softmax, "LOOP_BLOCK", 128)
-    monkeypatch.setattr(softmax, "_loop_programs", lambda x: 2)
-    x = torch.randn(5, 300, device=DEVICE) * 3
-    x[3] = float("-inf")
-    _check_softmax(x, log)

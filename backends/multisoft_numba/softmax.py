@@ -33,10 +33,9 @@ from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, thre
 CACHE = 32       # forward: row elements per thread held in registers (rows up to 1024 * CACHE)
 CACHE_BWD = 16   # backward: elements of y and of dy per thread (the plan aims at these counts)
 UNROLL = 8       # elements per thread per step of the looping kernels
-MAX_PARTS = 64   # most blocks one row is split into
+MAX_PARTS = 4    # most blocks one row is split into; longer rows loop (H200: faster beyond 4 parts)
 SPLIT_THREADS = 512   # several blocks per SM, so one's loads overlap another's waiting
 BF16_PAIRS = True     # bfloat16 rows of even length read and written two elements per access
-SPIN_SLEEP_NS = 0     # split path: nanoseconds the waiting thread sleeps between polls (0: none)
 
 
 @functools.cache
@@ -256,30 +255,22 @@ def _take_ticket(sync):
     return slot[0]
 
 
-@functools.cache
-def _publish_and_wait(sleep_ns):
-    """A device function publish_and_wait(sync, row, parts): count this part of `row` as
-    published (sync[1 + row]) and wait for all `parts`, polling every sleep_ns (0: at once)."""
-
-    @device_function
-    def publish_and_wait(sync, row, parts):
-        if cuda.threadIdx.x == 0:
-            cuda.threadfence()
-            cuda.atomic.add(sync, row + 1, 1)
-            while cuda.atomic.add(sync, row + 1, 0) < parts:
-                if sleep_ns > 0:
-                    cuda.nanosleep(sleep_ns)
-            cuda.threadfence()
-        cuda.syncthreads()
-
-    return publish_and_wait
+@device_function
+def _publish_and_wait(sync, row, parts):
+    """Count this part of `row` as published (sync[1 + row]) and wait for all `parts`."""
+    if cuda.threadIdx.x == 0:
+        cuda.threadfence()
+        cuda.atomic.add(sync, row + 1, 1)
+        while cuda.atomic.add(sync, row + 1, 0) < parts:
+            pass
+        cuda.threadfence()
+    cuda.syncthreads()
 
 
 @functools.cache
-def _forward_split(kind, log, cache, sleep_ns):
+def _forward_split(kind, log, cache):
     per, unpack, pack = codec(kind)
     words = cache // per
-    publish_and_wait = _publish_and_wait(sleep_ns)
 
     @kernel
     def forward_split(x, out, stats, sync, parts):
@@ -323,7 +314,7 @@ def _forward_split(kind, log, cache, sleep_ns):
         if tid == 0:
             stats[at] = part_m
             stats[at + parts] = s
-        publish_and_wait(sync, row, parts)
+        _publish_and_wait(sync, row, parts)
         m = NEG_INF
         s = float32(0.0)
         for p in range(parts):
@@ -345,10 +336,9 @@ def _forward_split(kind, log, cache, sleep_ns):
 
 
 @functools.cache
-def _backward_split(kind, log, cache, sleep_ns):
+def _backward_split(kind, log, cache):
     per, unpack, pack = codec(kind)
     words = cache // per
-    publish_and_wait = _publish_and_wait(sleep_ns)
 
     @kernel
     def backward_split(y, dy, dx, stats, sync, parts):
@@ -384,7 +374,7 @@ def _backward_split(kind, log, cache, sleep_ns):
         acc = block_sum(buf, acc)
         if tid == 0:
             stats[row * parts + part] = acc
-        publish_and_wait(sync, row, parts)
+        _publish_and_wait(sync, row, parts)
         acc = float32(0.0)
         for p in range(parts):
             acc += cuda.ldcg(stats, row * parts + p)
@@ -436,7 +426,7 @@ def forward(x, out, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        launch(_forward_split(kind, log, CACHE, SPIN_SLEEP_NS), rows * parts, threads,
+        launch(_forward_split(kind, log, CACHE), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         launch(_forward_cached(kind, log, CACHE), rows, threads, words)
@@ -451,7 +441,7 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
-        launch(_backward_split(kind, log, CACHE_BWD, SPIN_SLEEP_NS), rows * parts, threads,
+        launch(_backward_split(kind, log, CACHE_BWD), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         launch(_backward_cached(kind, log, CACHE_BWD), rows, threads, words)

@@ -24,10 +24,6 @@ FORWARD_TILE_MAX = {4: 32768, 2: 32768}
 BACKWARD_TILE_MAX = {4: 16384, 2: 32768}
 TILE_ELEMENTS = {4: 4096, 2: 8192}  # elements of one program's tile, by element size
 LOOP_BLOCK = 4096
-LOOP_WARPS = 8
-LOOP_FORWARD = False  # long rows forward: the loop path even where the split path could run
-LOOP_BACKWARD = False
-LOOP_PROGRAMS_PER_SM = 0  # loop forward: programs per multiprocessor, each taking rows in turn (0: one per row)
 # (chunk, num_warps) for the split path, by element size: the first needing few enough chunks
 SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))
 SPLIT_CONFIGS_16BIT = ((4096, 4), (8192, 8), (16384, 8))
@@ -53,32 +49,29 @@ def _fwd_tile_kernel(x_ptr, out_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _fwd_loop_kernel(x_ptr, out_ptr, M, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
-    """Rows pid, pid + programs, ...: statistics in one pass, the output in a second. With few
-    enough programs the rows being worked on stay in L2, which serves the second read."""
+def _fwd_loop_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
+    row_start = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
-    for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
-        row_start = row * N
-        run_max = tl.full((), -float("inf"), tl.float32)
-        run_sum = tl.zeros((), tl.float32)
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            new_max = tl.maximum(run_max, tl.max(x, axis=0))
-            safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max), axis=0)
-            run_max = new_max
-        log_sum = tl.log(run_sum)
-        inverse = 1.0 / run_sum
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            shifted = x - run_max
-            if LOG:
-                y = shifted - log_sum
-            else:
-                y = tl.exp(shifted) * inverse
-            tl.store(out_ptr + row_start + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    run_max = tl.full((), -float("inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    for start in range(0, N, BLOCK):
+        mask = start + cols < N
+        x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max), axis=0)
+        run_max = new_max
+    log_sum = tl.log(run_sum)
+    inverse = 1.0 / run_sum
+    for start in range(0, N, BLOCK):
+        mask = start + cols < N
+        x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        shifted = x - run_max
+        if LOG:
+            y = shifted - log_sum
+        else:
+            y = tl.exp(shifted) * inverse
+        tl.store(out_ptr + row_start + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -147,29 +140,27 @@ def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, M, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
-    """Rows pid, pid + programs, ...: the row's sum in one pass, dx in a second (see _fwd_loop_kernel)."""
+def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
+    row_start = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
-    for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
-        row_start = row * N
-        total = tl.zeros((), tl.float32)
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
-            dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-            if LOG:
-                total += tl.sum(dy, axis=0)
-            else:
-                y = tl.load(y_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-                total += tl.sum(y * dy, axis=0)
-        for start in range(0, N, BLOCK):
-            mask = start + cols < N
+    total = tl.zeros((), tl.float32)
+    for start in range(0, N, BLOCK):
+        mask = start + cols < N
+        dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            total += tl.sum(dy, axis=0)
+        else:
             y = tl.load(y_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-            if LOG:
-                dx = dy - tl.exp(y) * total
-            else:
-                dx = y * (dy - total)
-            tl.store(dx_ptr + row_start + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            total += tl.sum(y * dy, axis=0)
+    for start in range(0, N, BLOCK):
+        mask = start + cols < N
+        y = tl.load(y_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp(y) * total
+        else:
+            dx = y * (dy - total)
+        tl.store(dx_ptr + row_start + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -217,13 +208,6 @@ def _split_config(x, N):
     return None
 
 
-def _loop_programs(x):
-    """Programs of the loop path: one per row, or LOOP_PROGRAMS_PER_SM per multiprocessor."""
-    if LOOP_PROGRAMS_PER_SM and x.is_cuda:
-        return min(x.shape[0], LOOP_PROGRAMS_PER_SM * sm_count(x))
-    return x.shape[0]
-
-
 def _split_counters(x, M):
     """Zeroed int32 counters: the ticket, then one per row, SPLIT_COUNTER_STRIDE apart."""
     return torch.zeros((M + 1) * SPLIT_COUNTER_STRIDE, device=x.device, dtype=torch.int32)
@@ -241,9 +225,9 @@ def forward(x, out, log):
             _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
                                                       num_warps=warps_for(rows * block))
             return
-        config = None if LOOP_FORWARD else _split_config(x, N)
+        config = _split_config(x, N)
         if config is None:
-            _fwd_loop_kernel[(_loop_programs(x),)](x, out, M, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=LOOP_WARPS)
+            _fwd_loop_kernel[(M,)](x, out, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
@@ -266,9 +250,9 @@ def backward(y, dy, dx, log):
             _bwd_tile_kernel[(triton.cdiv(M, rows),)](y, dy, dx, M, N, ROWS=rows, BLOCK=block, LOG=log,
                                                       num_warps=warps_for(2 * rows * block))
             return
-        config = None if LOOP_BACKWARD else _split_config(y, N)
+        config = _split_config(y, N)
         if config is None:
-            _bwd_loop_kernel[(_loop_programs(y),)](y, dy, dx, M, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=LOOP_WARPS)
+            _bwd_loop_kernel[(M,)](y, dy, dx, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
