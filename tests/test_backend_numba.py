@@ -1,5 +1,6 @@
 """numba backend specifics: bfloat16 bit conversions and pairs, the numpy 2.5 workaround, invalid
-targets, launching on torch's current (non-default) stream, the split path of long rows."""
+targets, launching on torch's current (non-default) stream, the split path of long rows, block-sparse
+rows of several tiles and lanes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from harness import DEVICE, ON_GPU, assert_close, reference_softmax, reference_softmax_backward
+from harness import (DEVICE, ON_GPU, assert_close, reference_blocksparse, reference_blocksparse_backward,
+                     reference_softmax, reference_softmax_backward)
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
@@ -219,3 +221,48 @@ def test_long_row_paths_with_a_masked_part(dtype, path):
         bwd_plan = plan_for(softmax.CACHE_BWD)
         softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log, plan=bwd_plan)
         assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype, f"{path} backward")
+
+
+def _unaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t whose data starts 2 bytes past a 4-byte boundary (no bfloat16 pairs)."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    copy = buffer[1:].view(t.shape)
+    copy.copy_(t)
+    return copy
+
+
+@needs_backend
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "bfloat16-unaligned"],
+                         ids=str)
+def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
+    """Rows of several tiles reduced over several lanes, grid-stride, empty and fully masked rows."""
+    from multisoft._blocksparse import lookup_table
+    from multisoft_numba import blocksparse
+    for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
+                        ("FORWARD_FLOATS", (2,)), ("BACKWARD_FLOATS", (2,))):
+        monkeypatch.setattr(blocksparse, name, value)
+    unaligned = dtype == "bfloat16-unaligned"
+    dtype = torch.bfloat16 if unaligned else dtype
+    block, scale = 16, 0.7
+    layout = (torch.rand(2, 3, 5) < 0.6).long()
+    layout[:, :, 0] = 1
+    layout[0, 1] = 0                  # a block-row with no blocks
+    layout[1, 1] = 0
+    layout[1, 1, 3:] = 1              # only above the diagonal: fully masked when causal
+    layout[1, 2, 2] = 0               # no diagonal block
+    lut = lookup_table(layout, block, DEVICE)
+    x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 3).to(dtype)
+    x[1, 0, 5] = float("-inf")        # a row of the first block-row with every element -inf
+    if unaligned:
+        x = _unaligned_like(x)
+    out = torch.empty_like(x)
+    blocksparse.forward(x, out, lut, scale, is_causal)
+    assert_close(out, reference_blocksparse(x, layout, block, scale, is_causal), dtype, "forward")
+    if unaligned:
+        out = _unaligned_like(out)
+    dy = torch.randn_like(out)
+    dx = torch.empty_like(out)
+    blocksparse.backward(out, dy, dx, lut, scale)
+    expected, magnitude = reference_blocksparse_backward(out, dy, layout, block, scale)
+    assert_close(dx, expected, dtype, "backward", magnitude)

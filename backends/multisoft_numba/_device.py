@@ -293,3 +293,28 @@ def block_online_merge(buf_m, buf_s, m, s):
     m, s = warp_online_merge(m, s)
     cuda.syncthreads()
     return m, s
+
+
+# Reductions over the lanes of kernels that give each warp its own row: shuffles on the GPU.
+# The simulator has no shuffles: there such kernels run one "warp" per block (at most 32
+# threads), reduced in shared memory, or a single thread with nothing to reduce.
+if SIMULATOR:
+    @device_function
+    def lanes_online_merge(m, s):
+        """Merge the (max, sum of exp) pairs of the warp's lanes; every lane gets the warp's pair."""
+        if cuda.blockDim.x == 1:
+            return m, s
+        buf_m = cuda.shared.array(32, float32)
+        buf_s = cuda.shared.array(32, float32)
+        return block_online_merge(buf_m, buf_s, m, s)
+
+    @device_function
+    def lanes_sum(v):
+        """Sum of v over the warp's lanes; every lane gets it."""
+        if cuda.blockDim.x == 1:
+            return v
+        buf = cuda.shared.array(32, float32)
+        return block_sum(buf, v)
+else:
+    lanes_online_merge = warp_online_merge
+    lanes_sum = warp_sum

@@ -1,114 +1,272 @@
 """Block-sparse softmax over the compressed blocks (Z, nnz, B, B), forward and backward.
 
-A softmax row is row i of block-row g = h*Mb + r in batch z: column j of blocks
-offsets[g] .. offsets[g + 1], walked twice (statistics, then output). One thread
-block per row on the GPU (grid x over (g, i), y over z); under the simulator one
-per block-row, looping over its B rows (each simulated block costs a lot).
-The data is viewed as (Z * nnz * B, B) rows.
+Row i of block-row g = h * Mb + r in batch z is the concatenation of row i of the
+blocks offsets[g] .. offsets[g + 1]; rows are numbered (z, g, i). One warp per row
+(WARPS rows per thread block, grid-stride over the rows; under the simulator, which
+has no shuffles, one warp per block). The data is read in words (_device.codec)
+through 1-D views indexed with unsigned integers. Word w of a row lies in block
+w // W at column w % W (W words per block row); lane `lane` holds the words
+t * TILE + k * 32 + lane (k < words per lane) of tile t, so each load of the warp
+reads consecutive words. A row of one tile is read once and written from registers;
+a longer row reads its tiles again (the last one excepted).
+
+Causal masking needs no per-element test: the blocks of a block-row are in column
+order, so the unmasked elements of row i of block-row r are a prefix of the row,
+the blocks left of column r and, if block-column r is present, i + 1 more elements.
 """
 
+import functools
+
 import numpy
-from numba import cuda, float32
+from numba import cuda, float32, int64, uint64
 
-from ._device import NEG_INF, block_online_merge, block_sum, expf, kahan_add, load, online_add, store
-from ._glue import MAX_THREADS, SIMULATOR, is_bf16, kernel, launch, threads_for
+from ._device import NEG_INF, codec, expf, kahan_add, lanes_online_merge, lanes_sum, nan_max
+from ._glue import SIMULATOR, device_function, launch, word_views
 
-MAX_GRID_Y = 65535
+# Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and
+# dy, backward: the smallest choice whose tile holds the widest row, else the largest.
+FORWARD_FLOATS = (16, 40, 64)
+BACKWARD_FLOATS = (16, 32, 48)
+WARPS = 4              # rows (warps) per thread block on the GPU
+BF16_PAIRS = True      # bfloat16 read and written two elements per 4-byte access
+MAX_GRID = 1 << 20     # most thread blocks launched; more rows are walked grid-stride
+# The simulator runs a thread per lane and pays for every one and for every barrier: one
+# lane per row by default (tests set more), few blocks, short tiles (rows of several tiles).
+SIMULATOR_LANES = 1
+SIMULATOR_GRID = 4
+SIMULATOR_FLOATS = 4
 
 
-@kernel
-def _forward(x, out, offsets, columns, batch, nnz, block_rows, shift, rows_per_block, scale, is_causal, bf16):
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    width = 1 << shift
-    slices = width // rows_per_block
-    group = cuda.blockIdx.x // slices
-    first_row = (cuda.blockIdx.x % slices) * rows_per_block
-    first = offsets[group]
-    length = (offsets[group + 1] - first) << shift
-    buf_m = cuda.shared.array(MAX_THREADS, float32)
-    buf_s = cuda.shared.array(MAX_THREADS, float32)
-    for z in range(cuda.blockIdx.y, batch, cuda.gridDim.y):
-        base = z * nnz + first
-        for i in range(first_row, first_row + rows_per_block):
-            absolute_row = (group % block_rows) * width + i
+def _jit(threads):
+    """cuda.jit for a kernel of `threads` threads per block (register use bounded for that size)."""
+    if SIMULATOR:
+        return cuda.jit
+    return cuda.jit(cache=True, launch_bounds=threads)
+
+
+@device_function
+def _row_place(row_id, offsets, nnz, groups, log2b, log2w):
+    """(first block of the row's block-row, its block count, block-row g, row i in the block,
+    word offset of row i of the first block)."""
+    i = row_id & ((int64(1) << log2b) - 1)
+    group = (row_id >> log2b) % groups
+    z = (row_id >> log2b) // groups
+    first = int64(offsets[group])
+    blocks = int64(offsets[group + 1]) - first
+    base = (((z * nnz + first) << log2b) + i) << log2w
+    return first, blocks, group, i, base
+
+
+@device_function
+def _causal_limit(columns, first, blocks, block_row, i, log2b):
+    """Unmasked elements of row i of block-row `block_row` (a prefix: columns are sorted)."""
+    low = int64(0)
+    high = blocks
+    while low < high:   # first block whose column is >= block_row
+        middle = (low + high) >> 1
+        if int64(columns[uint64(first + middle)]) < block_row:
+            low = middle + 1
+        else:
+            high = middle
+    limit = low << log2b
+    if low < blocks and int64(columns[uint64(first + low)]) == block_row:
+        limit += i + 1
+    return limit
+
+
+@device_function
+def _word_at(base, w, log2b, log2w):
+    """Offset of word w of the row whose first block's row starts at `base`."""
+    return uint64(base + ((w >> log2w) << (log2b + log2w)) + (w & ((int64(1) << log2w) - 1)))
+
+
+@functools.cache
+def _forward_kernel(kind, causal, floats, lanes, warps):
+    """The forward for codec `kind`, `floats` values per lane, `lanes` lanes per row,
+    `warps` rows per block."""
+    per, unpack, pack = codec(kind)
+    words = max(1, floats // per)
+    floats = words * per
+    tile = lanes * words
+
+    @device_function
+    def load_scores(x, vals, base, t, lane, limit, limit_words, log2b, log2w, scale):
+        """vals = scale * x over tile t; -inf past `limit` elements."""
+        for k in range(words):
+            w = t * tile + k * lanes + lane
+            if w < limit_words:
+                got = unpack(x[_word_at(base, w, log2b, log2w)])
+                for j in range(per):
+                    vals[k * per + j] = scale * got[j] if w * per + j < limit else NEG_INF
+            else:
+                for j in range(per):
+                    vals[k * per + j] = NEG_INF
+
+    @device_function
+    def store_tile(out, vals, base, t, lane, n_words, log2b, log2w):
+        for k in range(words):
+            w = t * tile + k * lanes + lane
+            if w < n_words:
+                out[_word_at(base, w, log2b, log2w)] = pack(vals[k * per], vals[k * per + per - 1])
+
+    @_jit(lanes * warps)
+    def blocksparse_forward(x, out, offsets, columns, rows, nnz, groups, block_rows, log2b, log2w, scale):
+        lane = int64(cuda.threadIdx.x % lanes)
+        vals = cuda.local.array(floats, float32)
+        row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
+        while row_id < rows:
+            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2w)
+            n_words = blocks << log2w
+            limit = blocks << log2b
+            if causal:
+                limit = _causal_limit(columns, first, blocks, group % block_rows, i, log2b)
+            limit_words = (limit + per - 1) // per
+            tiles = (limit_words + tile - 1) // tile
+            # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
             m = NEG_INF
             s = float32(0.0)
-            for e in range(tid, length, threads):
-                block = e >> shift
-                j = e & (width - 1)
-                v = scale * load(x, (base + block) * width + i, j, bf16)
-                if is_causal and columns[first + block] * width + j > absolute_row:
-                    v = NEG_INF
-                m, s = online_add(m, s, v)
-            m, s = block_online_merge(buf_m, buf_s, m, s)
-            inv_s = float32(1.0) / s
-            for e in range(tid, length, threads):
-                block = e >> shift
-                j = e & (width - 1)
-                row = (base + block) * width + i
-                value = float32(0.0)
-                if m != NEG_INF and not (is_causal and columns[first + block] * width + j > absolute_row):
-                    value = expf(scale * load(x, row, j, bf16) - m) * inv_s
-                store(out, row, j, value, bf16)
+            for t in range(tiles):
+                load_scores(x, vals, base, t, lane, limit, limit_words, log2b, log2w, scale)
+                top = NEG_INF
+                for k in range(floats):
+                    top = nan_max(top, vals[k])
+                if top > m or top != top:
+                    s *= expf(m - top)
+                    m = top
+                acc = float32(0.0)
+                for k in range(floats):
+                    e = float32(0.0) if m == NEG_INF else expf(vals[k] - m)
+                    vals[k] = e
+                    acc += e
+                s += acc
+            row_m, row_s = lanes_online_merge(m, s)
+            empty = row_m == NEG_INF   # every element masked or -inf: zeros
+            inv_s = float32(0.0) if empty else float32(1.0) / row_s
+            factor = float32(0.0) if empty or m == NEG_INF else expf(m - row_m) * inv_s
+            # pass 2: the last tile from registers, the others read again, zeros past the limit
+            if tiles > 0:
+                for k in range(floats):
+                    vals[k] *= factor
+                store_tile(out, vals, base, tiles - 1, lane, n_words, log2b, log2w)
+            for t in range((n_words + tile - 1) // tile):
+                if t == tiles - 1:
+                    continue
+                if t < tiles - 1 and not empty:
+                    load_scores(x, vals, base, t, lane, limit, limit_words, log2b, log2w, scale)
+                    for k in range(floats):
+                        vals[k] = expf(vals[k] - row_m) * inv_s
+                else:
+                    for k in range(floats):
+                        vals[k] = float32(0.0)
+                store_tile(out, vals, base, t, lane, n_words, log2b, log2w)
+            row_id += int64(cuda.gridDim.x) * warps
+
+    return blocksparse_forward
 
 
-@kernel
-def _backward(y, dy, dx, offsets, batch, nnz, shift, rows_per_block, scale, bf16):
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    width = 1 << shift
-    slices = width // rows_per_block
-    group = cuda.blockIdx.x // slices
-    first_row = (cuda.blockIdx.x % slices) * rows_per_block
-    first = offsets[group]
-    length = (offsets[group + 1] - first) << shift
-    buf = cuda.shared.array(MAX_THREADS, float32)
-    for z in range(cuda.blockIdx.y, batch, cuda.gridDim.y):
-        base = z * nnz + first
-        for i in range(first_row, first_row + rows_per_block):
-            acc = float32(0.0)
+@functools.cache
+def _backward_kernel(kind, floats, lanes, warps):
+    """The backward for codec `kind`, `floats` values of y and of dy per lane, `lanes` lanes per row,
+    `warps` rows per block."""
+    per, unpack, pack = codec(kind)
+    words = max(1, floats // per)
+    floats = words * per
+    tile = lanes * words
+
+    @device_function
+    def load_tile(y, dy, ys, gs, base, t, lane, n_words, log2b, log2w):
+        for k in range(words):
+            w = t * tile + k * lanes + lane
+            if w < n_words:
+                at = _word_at(base, w, log2b, log2w)
+                got_y = unpack(y[at])
+                got_g = unpack(dy[at])
+                for j in range(per):
+                    ys[k * per + j] = got_y[j]
+                    gs[k * per + j] = got_g[j]
+            else:
+                for j in range(per):
+                    ys[k * per + j] = float32(0.0)
+                    gs[k * per + j] = float32(0.0)
+
+    @device_function
+    def store_tile(dx, ys, gs, base, t, lane, n_words, log2b, log2w, dot, scale):
+        """dx = scale * y * (dy - dot) over tile t."""
+        for k in range(words):
+            w = t * tile + k * lanes + lane
+            if w < n_words:
+                i = k * per
+                last = i + per - 1
+                dx[_word_at(base, w, log2b, log2w)] = pack(scale * ys[i] * (gs[i] - dot),
+                                                           scale * ys[last] * (gs[last] - dot))
+
+    @_jit(lanes * warps)
+    def blocksparse_backward(y, dy, dx, offsets, rows, nnz, groups, log2b, log2w, scale):
+        lane = int64(cuda.threadIdx.x % lanes)
+        ys = cuda.local.array(floats, float32)
+        gs = cuda.local.array(floats, float32)
+        row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
+        while row_id < rows:
+            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2w)
+            n_words = blocks << log2w
+            tiles = (n_words + tile - 1) // tile
+            dot = float32(0.0)
             lost = float32(0.0)
-            for e in range(tid, length, threads):
-                row = (base + (e >> shift)) * width + i
-                j = e & (width - 1)
-                acc, lost = kahan_add(acc, lost, load(y, row, j, bf16) * load(dy, row, j, bf16))
-            acc = block_sum(buf, acc - lost)
-            for e in range(tid, length, threads):
-                row = (base + (e >> shift)) * width + i
-                j = e & (width - 1)
-                store(dx, row, j, scale * load(y, row, j, bf16) * (load(dy, row, j, bf16) - acc), bf16)
+            for t in range(tiles):
+                load_tile(y, dy, ys, gs, base, t, lane, n_words, log2b, log2w)
+                acc = float32(0.0)
+                for k in range(floats):
+                    acc += ys[k] * gs[k]
+                dot, lost = kahan_add(dot, lost, acc)
+            dot = lanes_sum(dot - lost)
+            if tiles > 0:
+                store_tile(dx, ys, gs, base, tiles - 1, lane, n_words, log2b, log2w, dot, scale)
+            for t in range(tiles - 1):
+                load_tile(y, dy, ys, gs, base, t, lane, n_words, log2b, log2w)
+                store_tile(dx, ys, gs, base, t, lane, n_words, log2b, log2w, dot, scale)
+            row_id += int64(cuda.gridDim.x) * warps
+
+    return blocksparse_backward
 
 
-def _geometry(x, lut):
-    """(batch, rows per thread block, threads, grid)."""
-    batch = x.shape[0]
-    rows_per_block = lut.block if SIMULATOR else 1
-    threads = threads_for(max(lut.max_blocks, 1) * lut.block, 32 if SIMULATOR else 4)
-    grid = (lut.heads * lut.block_rows * (lut.block // rows_per_block), min(max(batch, 1), MAX_GRID_Y))
-    return batch, rows_per_block, threads, grid
+def _floats(choices, row: int, lanes: int) -> int:
+    """The fewest values per lane among `choices` whose tile holds `row` elements, else the most."""
+    return next((floats for floats in sorted(choices) if floats * lanes >= row), max(choices))
 
 
-def _rows(t, lut):
-    return t.view(-1, lut.block)
+def _launch_shape(rows: int, row: int):
+    """(lanes per row, rows per thread block, thread blocks, values per lane forward, backward)
+    for `rows` rows of at most `row` elements."""
+    if SIMULATOR:
+        return SIMULATOR_LANES, 1, max(1, min(rows, SIMULATOR_GRID)), SIMULATOR_FLOATS, SIMULATOR_FLOATS
+    return (32, WARPS, max(1, min(-(-rows // WARPS), MAX_GRID)), _floats(FORWARD_FLOATS, row, 32),
+            _floats(BACKWARD_FLOATS, row, 32))
+
+
+def _common(tensors, lut):
+    """(codec kind, 1-D word views, launch shape,
+    sizes: rows, nnz, groups, log2 B, log2 of the words per block row)."""
+    kind, words = word_views(tuple(t.view(-1) for t in tensors), BF16_PAIRS)
+    per = codec(kind)[0]
+    groups = lut.heads * lut.block_rows
+    rows = tensors[0].shape[0] * groups * lut.block
+    log2b = lut.block.bit_length() - 1
+    sizes = (rows, lut.nnz, groups, log2b, log2b - (per - 1))
+    return kind, words, _launch_shape(rows, lut.max_blocks * lut.block), tuple(numpy.int64(v) for v in sizes)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     if x.numel() == 0:
         return
-    batch, rows_per_block, threads, grid = _geometry(x, lut)
-    shift = lut.block.bit_length() - 1
-    launch(_forward, grid, threads,
-           (_rows(x, lut), _rows(out, lut), lut.offsets, lut.columns, numpy.int64(batch), numpy.int64(lut.nnz),
-            numpy.int64(lut.block_rows), numpy.int64(shift), numpy.int64(rows_per_block), numpy.float32(scale),
-            bool(is_causal), is_bf16(x)))
+    kind, words, (lanes, warps, grid, floats, _), (rows, nnz, groups, log2b, log2w) = _common((x, out), lut)
+    launch(_forward_kernel(kind, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
+           (*words, lut.offsets, lut.columns, rows, nnz, groups, numpy.int64(lut.block_rows), log2b, log2w,
+            numpy.float32(scale)))
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
     if y.numel() == 0:
         return
-    batch, rows_per_block, threads, grid = _geometry(y, lut)
-    shift = lut.block.bit_length() - 1
-    launch(_backward, grid, threads,
-           (_rows(y, lut), _rows(dy, lut), _rows(dx, lut), lut.offsets, numpy.int64(batch), numpy.int64(lut.nnz),
-            numpy.int64(shift), numpy.int64(rows_per_block), numpy.float32(scale), is_bf16(y)))
+    kind, words, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
+    launch(_backward_kernel(kind, floats, lanes, warps), grid, lanes * warps,
+           (*words, lut.offsets, *sizes, numpy.float32(scale)))
