@@ -24,9 +24,7 @@ FORWARD_TILE_MAX = {4: 32768, 2: 32768}
 BACKWARD_TILE_MAX = {4: 16384, 2: 32768}
 TILE_ELEMENTS = {4: 4096, 2: 8192}  # elements of one program's tile, by element size
 LOOP_BLOCK = 4096
-# (chunk, num_warps) for the split path, by element size: the first needing few enough chunks
-SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))
-SPLIT_CONFIGS_16BIT = ((4096, 4), (8192, 8), (16384, 8))
+SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))  # (chunk, num_warps): the first needing few enough chunks
 SPLIT_TICKET = True
 SPLIT_COUNTER_STRIDE = 32  # int32s between the per-row counters: one 128-byte line each
 
@@ -202,7 +200,7 @@ def _split_config(x, N):
     if interpreting() or not x.is_cuda:
         return None
     most_chunks = sm_count(x) if SPLIT_TICKET else sm_count(x) // 2
-    for chunk, warps in SPLIT_CONFIGS if x.element_size() == 4 else SPLIT_CONFIGS_16BIT:
+    for chunk, warps in SPLIT_CONFIGS:
         if triton.cdiv(N, chunk) <= most_chunks:
             return chunk, warps
     return None
