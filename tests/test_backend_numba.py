@@ -1,4 +1,4 @@
-"""numba backend specifics: bfloat16 bit conversions and pairs, the numpy 2.5 workaround, invalid
+"""numba backend specifics: bfloat16 and float16 bit conversions, vector widths, the numpy 2.5 workaround, invalid
 targets, launching on torch's current (non-default) stream, the split path of long rows, block-sparse
 rows of several tiles and lanes."""
 
@@ -66,31 +66,34 @@ def test_bf16_nan_stays_nan_with_sign():
 
 
 @host_callable_helpers
-def test_bf16_pairs_pack_and_unpack_like_torch():
-    from multisoft_numba._device import floats_to_pair, pair_to_floats
-    values = _tricky_floats()
-    values = torch.cat([values, torch.tensor([float("nan"), -float("nan")])])[: values.numel() // 2 * 2]
-    words = values.to(torch.bfloat16).view(torch.int32)
-    got = [int(floats_to_pair(low, high)) for low, high in values.view(-1, 2).numpy()]
-    assert got == words.tolist()
-    back = torch.tensor([pair_to_floats(word) for word in words.numpy()]).view(-1)
-    assert torch.equal(back, values.to(torch.bfloat16).float())
+def test_float16_bits_round_trip_like_torch():
+    from multisoft_numba._intrinsics import float_to_half_bits, half_bits_to_float
+    values = torch.cat([_tricky_floats(), torch.tensor([1e-6, 7e-8, 65519.0, 65520.0, -7e-8])])
+    expected = _bits(values.to(torch.float16))
+    got = [int(float_to_half_bits(v)) & 0xFFFF for v in values.numpy()]
+    mismatches = [(float(v), hex(g), hex(e)) for v, g, e in zip(values.tolist(), got, expected) if g != e]
+    assert not mismatches, mismatches[:5]
+    assert int(float_to_half_bits(float("nan"))) & 0x7FFF > 0x7C00      # NaN stays NaN
+    halves = values.to(torch.float16)
+    back = torch.tensor([float(half_bits_to_float(b)) for b in halves.view(torch.int16).numpy()])
+    assert torch.equal(back, halves.float())
 
 
 @needs_backend
-def test_bf16_pairs_and_single_elements_agree():
-    """Rows of even length at an even offset go as int32 pairs; at an odd offset, element by element."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_vector_widths_agree(dtype):
+    """Aligned rows go in 16-byte vectors; rows at an odd element offset one element at a time:
+    both give the same results."""
     from multisoft_numba import cross_entropy, softmax
-    from multisoft_numba._device import BF16, BF16_PAIRS
-    from multisoft_numba._glue import word_views
+    from multisoft_numba._glue import vector_views
     rows, n = 3, 64
-    aligned = (torch.randn(rows, n, device=DEVICE) * 3).to(torch.bfloat16)
+    aligned = (torch.randn(rows, n, device=DEVICE) * 3).to(dtype)
     aligned[1, 5] = float("-inf")
-    dy = torch.randn(rows, n, device=DEVICE).to(torch.bfloat16)
+    dy = torch.randn(rows, n, device=DEVICE).to(dtype)
     target = torch.tensor([3, -100, 63], device=DEVICE)
     results = []
     for x in (aligned, _shifted_copy(aligned)):
-        assert word_views((x,), True)[0] == (BF16_PAIRS if x is aligned else BF16)
+        assert vector_views((x,))[1] == (16 // x.element_size() if x is aligned else 1)
         got = []
         for log in (False, True):
             out, dx = torch.empty_like(x), torch.empty_like(x)
@@ -104,12 +107,12 @@ def test_bf16_pairs_and_single_elements_agree():
         grad = torch.empty_like(x)
         cross_entropy.backward(finite, target, None, None, lse, torch.ones(rows, device=DEVICE), grad, -100, 0.1)
         results.append(got + [loss, lse, grad])
-    for pairs, single in zip(*results):   # equal up to the order of the sums
-        torch.testing.assert_close(pairs, single, equal_nan=True)
+    for vectors, single in zip(*results):   # equal up to the order of the sums
+        torch.testing.assert_close(vectors, single, equal_nan=True)
 
 
 def _shifted_copy(t: torch.Tensor) -> torch.Tensor:
-    """t's values in a tensor whose data starts 2 bytes past a 4-byte boundary."""
+    """t's values in a tensor whose data starts one element past an aligned address."""
     shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
     return shifted.copy_(t)
 
@@ -223,14 +226,6 @@ def test_long_row_paths_with_a_masked_part(dtype, path):
         assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype, f"{path} backward")
 
 
-def _unaligned_like(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t whose data starts 2 bytes past a 4-byte boundary (no bfloat16 pairs)."""
-    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    copy = buffer[1:].view(t.shape)
-    copy.copy_(t)
-    return copy
-
-
 @needs_backend
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "bfloat16-unaligned"],
@@ -255,12 +250,12 @@ def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
     x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 3).to(dtype)
     x[1, 0, 5] = float("-inf")        # a row of the first block-row with every element -inf
     if unaligned:
-        x = _unaligned_like(x)
+        x = _shifted_copy(x)
     out = torch.empty_like(x)
     blocksparse.forward(x, out, lut, scale, is_causal)
     assert_close(out, reference_blocksparse(x, layout, block, scale, is_causal), dtype, "forward")
     if unaligned:
-        out = _unaligned_like(out)
+        out = _shifted_copy(out)
     dy = torch.randn_like(out)
     dx = torch.empty_like(out)
     blocksparse.backward(out, dy, dx, lut, scale)

@@ -1,18 +1,25 @@
-"""Device functions shared by the kernels: dtype codecs, bfloat16 bits, block reductions.
+"""Device functions shared by the kernels: reading and writing rows, bfloat16 bits, reductions.
 
-Every value is float32 inside. Kernels read and write "words": a float32 or float16
-element (PLAIN), the int16 bits of one bfloat16 (BF16; numba has no bfloat16 arrays),
-or an int32 holding two bfloat16 (BF16_PAIRS: one 4-byte access for two elements,
-element 2i in the low half). Reductions go through shared memory, which the CUDA
-simulator supports too.
+Every value is float32 inside. Kernels read and write rows in vectors of 1 to 8
+elements, one memory access each (row_io, strided_io): the host picks the widest
+vector the rows' lengths and alignment allow (_glue.vector_views). Memory holds
+float32 words, or 16-bit elements (float16, bfloat16: numba has neither as an array
+we can use) as int32 pairs or int16. Reductions go through shared memory, which the
+CUDA simulator supports too.
 """
 
+import functools
 import math
 
 import numpy
 from numba import cuda, float32, int16, int32
 
-from ._glue import SIMULATOR, device_function
+from ._glue import SIMULATOR, SM80_EVERYWHERE, device_function
+from ._intrinsics import fast_exp as expf
+from ._intrinsics import float_to_half_bits, half_bits_to_float, vector_access
+
+if SM80_EVERYWHERE:
+    from ._intrinsics import max_propagating_nan, pack_bf16x2, pack_f16x2
 
 NEG_INF = float32(-math.inf)
 NAN = float32(math.nan)
@@ -25,10 +32,6 @@ if SIMULATOR:
     def _int_as_float(i):
         return numpy.int32(i).view(numpy.float32)
 
-    def expf(v):
-        with numpy.errstate(all="ignore"):
-            return numpy.exp(numpy.float32(v))
-
     def logf(v):
         with numpy.errstate(all="ignore"):
             return numpy.log(numpy.float32(v))
@@ -37,10 +40,6 @@ else:
 
     _float_as_int = libdevice.float_as_int
     _int_as_float = libdevice.int_as_float
-    # exp through ex2.approx (__expf): a few ulp, far inside the float32 tolerances, and
-    # several times fewer instructions than the exact expf, which made the long-row
-    # kernels instruction-bound.
-    expf = libdevice.fast_expf
     logf = math.log
 
 
@@ -66,70 +65,93 @@ def float_to_bf16_bits(v):
     return int16(bf16_rounded(v) >> 16)
 
 
-HIGH_HALF = int32(-65536)   # 0xFFFF0000
 LOW_HALF = int32(0xFFFF)
 
-
-@device_function
-def pair_to_floats(word):
-    """The two bfloat16 of an int32 word as float32: (low half, high half)."""
-    return _int_as_float(int32(word << 16)), _int_as_float(int32(word & HIGH_HALF))
+FP32, FP16, BF16 = 0, 1, 2   # element formats
 
 
-@device_function
-def floats_to_pair(low, high):
-    """Two float32 rounded to bfloat16 and packed into one int32 word (low half first)."""
-    return int32((bf16_rounded(high) & HIGH_HALF) | ((bf16_rounded(low) >> 16) & LOW_HALF))
+def word_layout(fmt, width):
+    """(word dtype, words per vector) of `width`-element vectors: float32 words for FP32;
+    16-bit elements go as int32 pairs (element 2i in the low half), or as int16 when a
+    vector holds one element."""
+    if fmt == FP32:
+        return float32, width
+    if width == 1:
+        return int16, 1
+    return int32, width // 2
 
 
-PLAIN, BF16, BF16_PAIRS = 0, 1, 2
-
-
-@device_function
-def unpack_plain(word):
-    return (float32(word),)
-
-
-@device_function
-def unpack_bf16(word):
-    return (bf16_bits_to_float(word),)
-
-
-@device_function
-def pack_plain(first, second):
-    return first
-
-
-@device_function
-def pack_bf16(first, second):
-    return float_to_bf16_bits(first)
-
-
-def codec(kind):
-    """(elements per word, unpack(word) -> tuple of its float32 elements,
-    pack(first, second) -> word; `second` is ignored with one element per word)."""
-    if kind == BF16_PAIRS:
-        return 2, pair_to_floats, floats_to_pair
-    if kind == BF16:
-        return 1, unpack_bf16, pack_bf16
-    return 1, unpack_plain, pack_plain
-
-
-@device_function
-def load(a, row, col, bf16):
-    """a[row, col] as float32."""
-    if bf16:
-        return bf16_bits_to_float(a[row, col])
-    return float32(a[row, col])
-
-
-@device_function
-def store(a, row, col, v, bf16):
-    """a[row, col] = v, rounded to a's dtype (to nearest even)."""
-    if bf16:
-        a[row, col] = float_to_bf16_bits(v)
+@functools.cache
+def row_io(fmt, width):
+    """(read(array, i, vals, at), write(array, i, vals, at)) for vectors of `width` elements:
+    read puts the float32 values of elements [i * width, (i + 1) * width) of a 1-D word
+    array (see word_layout) into vals[at:at + width]; write stores vals[at:at + width]
+    there, rounded to the format (to nearest even). One memory access per vector."""
+    word, words = word_layout(fmt, width)
+    load_words, store_words = vector_access(words)
+    decode, encode = (bf16_bits_to_float, float_to_bf16_bits) if fmt == BF16 else \
+        (half_bits_to_float, float_to_half_bits)
+    if SM80_EVERYWHERE:
+        pack_two = pack_bf16x2 if fmt == BF16 else pack_f16x2
     else:
-        a[row, col] = v
+        @device_function
+        def pack_two(low, high):
+            return int32((int32(encode(high)) << 16) | (int32(encode(low)) & LOW_HALF))
+
+    @device_function
+    def read(array, i, vals, at):
+        raw = cuda.local.array(words, word)
+        load_words(array, i, raw)
+        for j in range(words):
+            if fmt == FP32:
+                vals[at + j] = raw[j]
+            elif width == 1:
+                vals[at] = decode(raw[0])
+            else:
+                vals[at + 2 * j] = decode(raw[j])
+                vals[at + 2 * j + 1] = decode(raw[j] >> 16)
+
+    @device_function
+    def write(array, i, vals, at):
+        raw = cuda.local.array(words, word)
+        for j in range(words):
+            if fmt == FP32:
+                raw[j] = vals[at + j]
+            elif width == 1:
+                raw[0] = int16(encode(vals[at]))
+            else:
+                raw[j] = pack_two(vals[at + 2 * j], vals[at + 2 * j + 1])
+        store_words(array, i, raw)
+
+    return read, write
+
+
+@functools.cache
+def strided_io(fmt, width, count):
+    """(read_vectors(array, first, step, limit, vals, pad), write_vectors(array, first, step,
+    limit, vals)): the `count` vectors first, first + step, ... of a 1-D word array into
+    vals (count * width floats) or from it; vectors at or past `limit` are not accessed
+    (read pads their places in vals with `pad`)."""
+    read, write = row_io(fmt, width)
+
+    @device_function
+    def read_vectors(array, first, step, limit, vals, pad):
+        for k in range(count):
+            c = first + k * step
+            if c < limit:
+                read(array, c, vals, k * width)
+            else:
+                for j in range(width):
+                    vals[k * width + j] = pad
+
+    @device_function
+    def write_vectors(array, first, step, limit, vals):
+        for k in range(count):
+            c = first + k * step
+            if c < limit:
+                write(array, c, vals, k * width)
+
+    return read_vectors, write_vectors
 
 
 @device_function
@@ -141,11 +163,14 @@ def kahan_add(total, compensation, v):
 
 
 @device_function
-def nan_max(a, b):
+def _nan_max(a, b):
     """max that propagates NaN."""
     if a > b or a != a:
         return a
     return b
+
+
+nan_max = max_propagating_nan if SM80_EVERYWHERE else _nan_max
 
 
 @device_function

@@ -50,6 +50,11 @@ else:
     from cuda.core import launch as cuda_core_launch
     from numba.cuda.cudadrv.driver import driver as numba_driver
 
+# Instructions of compute capability 8.0 (max.NaN, cvt.rn.bf16x2) are used only when every
+# visible GPU has them: a kernel is compiled for whichever device runs it.
+SM80_EVERYWHERE = not SIMULATOR and torch.cuda.is_available() and all(
+    torch.cuda.get_device_capability(i) >= (8, 0) for i in range(torch.cuda.device_count()))
+
 # Kernels are launched with at most this many threads per block; the simulator runs
 # one CPU thread per CUDA thread, so it gets small blocks.
 MAX_THREADS = 16 if SIMULATOR else 1024
@@ -185,16 +190,26 @@ def launch(kernel_, grid, threads: int, args) -> None:
             _compiled[key] = compiled
 
 
-def word_views(tensors, pairs: bool):
-    """(codec kind, the tensors as the kernels' word arrays): bfloat16 goes as int32 pairs
-    when `pairs` and every tensor's rows start 4-byte aligned (even row length and offset)."""
-    from ._device import BF16, BF16_PAIRS, PLAIN
-    if tensors[0].dtype != torch.bfloat16:
-        return PLAIN, tensors
-    if pairs and all(t.shape[-1] % 2 == 0 and t.storage_offset() % 2 == 0 and t.data_ptr() % 4 == 0
-                     for t in tensors):
-        return BF16_PAIRS, tuple(t.view(torch.int32) for t in tensors)
-    return BF16, tensors
+def vector_views(tensors, max_width=None):
+    """(element format, width, the tensors as the kernels' word arrays) for reading and
+    writing rows `width` elements at a time (see _device.row_io): the widest access of at
+    most 16 bytes (and at most max_width elements) that divides every row length and
+    stride and to which every tensor's data is aligned."""
+    from ._device import BF16, FP16, FP32
+    dtype = tensors[0].dtype
+    fmt = {torch.float32: FP32, torch.float16: FP16, torch.bfloat16: BF16}[dtype]
+    size = tensors[0].element_size()
+    width = 16 // size if max_width is None else min(16 // size, max_width)
+    while width > 1 and not all(_fits(t, width, size) for t in tensors):
+        width //= 2
+    word_dtype = torch.float32 if fmt == FP32 else torch.int16 if width == 1 else torch.int32
+    return fmt, width, tuple(t.detach().view(word_dtype) for t in tensors)
+
+
+def _fits(t: torch.Tensor, width: int, size: int) -> bool:
+    """Whether every row of t starts on a width-element boundary and holds whole vectors."""
+    return (t.data_ptr() % (width * size) == 0 and t.shape[-1] % width == 0 and t.stride(-1) == 1
+            and all(stride % width == 0 for stride in t.stride()[:-1]))
 
 
 def next_pow2(n: int) -> int:

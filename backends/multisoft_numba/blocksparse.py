@@ -3,16 +3,19 @@
 Row i of block-row g = h * Mb + r in batch z is the concatenation of row i of the
 blocks offsets[g] .. offsets[g + 1]; rows are numbered (z, g, i). One warp per row
 (WARPS rows per thread block, grid-stride over the rows; under the simulator, which
-has no shuffles, one warp per block). The data is read in words (_device.codec)
-through 1-D views indexed with unsigned integers. Word w of a row lies in block
-w // W at column w % W (W words per block row); lane `lane` holds the words
-t * TILE + k * 32 + lane (k < words per lane) of tile t, so each load of the warp
-reads consecutive words. A row of one tile is read once and written from registers;
-a longer row reads its tiles again (the last one excepted).
+has no shuffles, one warp per block). The data is read and written in vectors of
+`width` elements, one access each (_device.row_io; the widest that the tensors'
+alignment allows, see _glue.vector_views), through 1-D views indexed with unsigned
+integers. Vector v of a row lies in block v // V at vector v % V of its row (V
+vectors per block row); lane `lane` holds the vectors t * TILE + k * 32 + lane
+(k < vectors per lane) of tile t, so each load of the warp reads consecutive
+vectors. A row of one tile is read once and written from registers; a longer row
+reads its tiles again (the last one excepted).
 
-Causal masking needs no per-element test: the blocks of a block-row are in column
-order, so the unmasked elements of row i of block-row r are a prefix of the row,
-the blocks left of column r and, if block-column r is present, i + 1 more elements.
+Causal masking tests elements only in the one vector that the limit may cut: the
+blocks of a block-row are in column order, so the unmasked elements of row i of
+block-row r are a prefix of the row, the blocks left of column r and, if
+block-column r is present, i + 1 more elements.
 """
 
 import functools
@@ -20,15 +23,15 @@ import functools
 import numpy
 from numba import cuda, float32, int64, uint64
 
-from ._device import NEG_INF, codec, expf, kahan_add, lanes_online_merge, lanes_sum, nan_max
-from ._glue import SIMULATOR, device_function, launch, word_views
+from ._device import NEG_INF, expf, kahan_add, lanes_online_merge, lanes_sum, nan_max, row_io
+from ._glue import SIMULATOR, device_function, launch, vector_views
 
 # Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and
-# dy, backward: the smallest choice whose tile holds the widest row, else the largest.
-FORWARD_FLOATS = (16, 40, 64)
+# dy, backward: the smallest choice whose tile holds the widest row, else the largest. Each is
+# rounded up to a whole number of vectors.
+FORWARD_FLOATS = (16,)    # H200, 16-byte vectors: 16 was 1.3-1.9x faster than (16, 40, 64) on the bench layouts
 BACKWARD_FLOATS = (16,)  # H200: 32 and 48 need 150-216 registers; 16 was 1.3-2x faster on the bench layouts
 WARPS = 4              # rows (warps) per thread block on the GPU
-BF16_PAIRS = True      # bfloat16 read and written two elements per 4-byte access
 MAX_GRID = 1 << 20     # most thread blocks launched; more rows are walked grid-stride
 # The simulator runs a thread per lane and pays for every one and for every barrier: one
 # lane per row by default (tests set more), few blocks, short tiles (rows of several tiles).
@@ -45,15 +48,15 @@ def _jit(threads):
 
 
 @device_function
-def _row_place(row_id, offsets, nnz, groups, log2b, log2w):
+def _row_place(row_id, offsets, nnz, groups, log2b, log2v):
     """(first block of the row's block-row, its block count, block-row g, row i in the block,
-    word offset of row i of the first block)."""
+    vector offset of row i of the first block)."""
     i = row_id & ((int64(1) << log2b) - 1)
     group = (row_id >> log2b) % groups
     z = (row_id >> log2b) // groups
     first = int64(offsets[group])
     blocks = int64(offsets[group + 1]) - first
-    base = (((z * nnz + first) << log2b) + i) << log2w
+    base = (((z * nnz + first) << log2b) + i) << log2v
     return first, blocks, group, i, base
 
 
@@ -75,58 +78,62 @@ def _causal_limit(columns, first, blocks, block_row, i, log2b):
 
 
 @device_function
-def _word_at(base, w, log2b, log2w):
-    """Offset of word w of the row whose first block's row starts at `base`."""
-    return uint64(base + ((w >> log2w) << (log2b + log2w)) + (w & ((int64(1) << log2w) - 1)))
+def _vector_at(base, v, log2b, log2v):
+    """Index of vector v of the row whose first block's row starts at vector `base`."""
+    return uint64(base + ((v >> log2v) << (log2b + log2v)) + (v & ((int64(1) << log2v) - 1)))
 
 
 @functools.cache
-def _forward_kernel(kind, causal, floats, lanes, warps):
-    """The forward for codec `kind`, `floats` values per lane, `lanes` lanes per row,
-    `warps` rows per block."""
-    per, unpack, pack = codec(kind)
-    words = max(1, floats // per)
-    floats = words * per
-    tile = lanes * words
+def _forward_kernel(fmt, width, causal, floats, lanes, warps):
+    """The forward for element format `fmt` in vectors of `width`, `floats` values per lane
+    (a multiple of width), `lanes` lanes per row, `warps` rows per block."""
+    vectors = floats // width
+    tile = lanes * vectors
+    read, write = row_io(fmt, width)
 
     @device_function
-    def load_scores(x, vals, base, t, lane, limit, limit_words, log2b, log2w, scale):
+    def load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale):
         """vals = scale * x over tile t; -inf past `limit` elements."""
-        for k in range(words):
-            w = t * tile + k * lanes + lane
-            if w < limit_words:
-                got = unpack(x[_word_at(base, w, log2b, log2w)])
-                for j in range(per):
-                    vals[k * per + j] = scale * got[j] if w * per + j < limit else NEG_INF
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            at = k * width
+            if v < limit_vectors:
+                read(x, _vector_at(base, v, log2b, log2v), vals, at)
+                for j in range(width):
+                    vals[at + j] *= scale
+                if causal and (v + 1) * width > limit:   # the vector the limit cuts
+                    for j in range(width):
+                        if v * width + j >= limit:
+                            vals[at + j] = NEG_INF
             else:
-                for j in range(per):
-                    vals[k * per + j] = NEG_INF
+                for j in range(width):
+                    vals[at + j] = NEG_INF
 
     @device_function
-    def store_tile(out, vals, base, t, lane, n_words, log2b, log2w):
-        for k in range(words):
-            w = t * tile + k * lanes + lane
-            if w < n_words:
-                out[_word_at(base, w, log2b, log2w)] = pack(vals[k * per], vals[k * per + per - 1])
+    def store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v):
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v < n_vectors:
+                write(out, _vector_at(base, v, log2b, log2v), vals, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_forward(x, out, offsets, columns, rows, nnz, groups, block_rows, log2b, log2w, scale):
+    def blocksparse_forward(x, out, offsets, columns, rows, nnz, groups, block_rows, log2b, log2v, scale):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
         row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
         while row_id < rows:
-            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2w)
-            n_words = blocks << log2w
+            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2v)
+            n_vectors = blocks << log2v
             limit = blocks << log2b
             if causal:
                 limit = _causal_limit(columns, first, blocks, group % block_rows, i, log2b)
-            limit_words = (limit + per - 1) // per
-            tiles = (limit_words + tile - 1) // tile
+            limit_vectors = (limit + width - 1) // width
+            tiles = (limit_vectors + tile - 1) // tile
             # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
             m = NEG_INF
             s = float32(0.0)
             for t in range(tiles):
-                load_scores(x, vals, base, t, lane, limit, limit_words, log2b, log2w, scale)
+                load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
                 top = NEG_INF
                 for k in range(floats):
                     top = nan_max(top, vals[k])
@@ -147,126 +154,126 @@ def _forward_kernel(kind, causal, floats, lanes, warps):
             if tiles > 0:
                 for k in range(floats):
                     vals[k] *= factor
-                store_tile(out, vals, base, tiles - 1, lane, n_words, log2b, log2w)
-            for t in range((n_words + tile - 1) // tile):
+                store_tile(out, vals, base, tiles - 1, lane, n_vectors, log2b, log2v)
+            for t in range((n_vectors + tile - 1) // tile):
                 if t == tiles - 1:
                     continue
                 if t < tiles - 1 and not empty:
-                    load_scores(x, vals, base, t, lane, limit, limit_words, log2b, log2w, scale)
+                    load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
                     for k in range(floats):
                         vals[k] = expf(vals[k] - row_m) * inv_s
                 else:
                     for k in range(floats):
                         vals[k] = float32(0.0)
-                store_tile(out, vals, base, t, lane, n_words, log2b, log2w)
+                store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
             row_id += int64(cuda.gridDim.x) * warps
 
     return blocksparse_forward
 
 
 @functools.cache
-def _backward_kernel(kind, floats, lanes, warps):
-    """The backward for codec `kind`, `floats` values of y and of dy per lane, `lanes` lanes per row,
-    `warps` rows per block."""
-    per, unpack, pack = codec(kind)
-    words = max(1, floats // per)
-    floats = words * per
-    tile = lanes * words
+def _backward_kernel(fmt, width, floats, lanes, warps):
+    """The backward for element format `fmt` in vectors of `width`, `floats` values of y and
+    of dy per lane (a multiple of width), `lanes` lanes per row, `warps` rows per block."""
+    vectors = floats // width
+    tile = lanes * vectors
+    read, write = row_io(fmt, width)
 
     @device_function
-    def load_tile(y, dy, ys, gs, base, t, lane, n_words, log2b, log2w):
-        for k in range(words):
-            w = t * tile + k * lanes + lane
-            if w < n_words:
-                at = _word_at(base, w, log2b, log2w)
-                got_y = unpack(y[at])
-                got_g = unpack(dy[at])
-                for j in range(per):
-                    ys[k * per + j] = got_y[j]
-                    gs[k * per + j] = got_g[j]
+    def load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v):
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            at = k * width
+            if v < n_vectors:
+                place = _vector_at(base, v, log2b, log2v)
+                read(y, place, ys, at)
+                read(dy, place, gs, at)
             else:
-                for j in range(per):
-                    ys[k * per + j] = float32(0.0)
-                    gs[k * per + j] = float32(0.0)
+                for j in range(width):
+                    ys[at + j] = float32(0.0)
+                    gs[at + j] = float32(0.0)
 
     @device_function
-    def store_tile(dx, ys, gs, base, t, lane, n_words, log2b, log2w, dot, scale):
-        """dx = scale * y * (dy - dot) over tile t."""
-        for k in range(words):
-            w = t * tile + k * lanes + lane
-            if w < n_words:
-                i = k * per
-                last = i + per - 1
-                dx[_word_at(base, w, log2b, log2w)] = pack(scale * ys[i] * (gs[i] - dot),
-                                                           scale * ys[last] * (gs[last] - dot))
+    def store_tile(dx, ys, gs, base, t, lane, n_vectors, log2b, log2v, dot, scale):
+        """dx = scale * y * (dy - dot) over tile t (computed in gs)."""
+        for k in range(floats):
+            gs[k] = scale * ys[k] * (gs[k] - dot)
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v < n_vectors:
+                write(dx, _vector_at(base, v, log2b, log2v), gs, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_backward(y, dy, dx, offsets, rows, nnz, groups, log2b, log2w, scale):
+    def blocksparse_backward(y, dy, dx, offsets, rows, nnz, groups, log2b, log2v, scale):
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(floats, float32)
         gs = cuda.local.array(floats, float32)
         row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
         while row_id < rows:
-            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2w)
-            n_words = blocks << log2w
-            tiles = (n_words + tile - 1) // tile
+            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2v)
+            n_vectors = blocks << log2v
+            tiles = (n_vectors + tile - 1) // tile
             dot = float32(0.0)
             lost = float32(0.0)
             for t in range(tiles):
-                load_tile(y, dy, ys, gs, base, t, lane, n_words, log2b, log2w)
+                load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
                 acc = float32(0.0)
                 for k in range(floats):
                     acc += ys[k] * gs[k]
                 dot, lost = kahan_add(dot, lost, acc)
             dot = lanes_sum(dot - lost)
             if tiles > 0:
-                store_tile(dx, ys, gs, base, tiles - 1, lane, n_words, log2b, log2w, dot, scale)
+                store_tile(dx, ys, gs, base, tiles - 1, lane, n_vectors, log2b, log2v, dot, scale)
             for t in range(tiles - 1):
-                load_tile(y, dy, ys, gs, base, t, lane, n_words, log2b, log2w)
-                store_tile(dx, ys, gs, base, t, lane, n_words, log2b, log2w, dot, scale)
+                load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
+                store_tile(dx, ys, gs, base, t, lane, n_vectors, log2b, log2v, dot, scale)
             row_id += int64(cuda.gridDim.x) * warps
 
     return blocksparse_backward
 
 
-def _floats(choices, row: int, lanes: int) -> int:
-    """The fewest values per lane among `choices` whose tile holds `row` elements, else the most."""
-    return next((floats for floats in sorted(choices) if floats * lanes >= row), max(choices))
+def _floats(choices, row: int, lanes: int, width: int) -> int:
+    """Values per lane: among `choices`, each rounded up to a multiple of width, the fewest
+    whose tile holds `row` elements, else the most."""
+    rounded = sorted({-(-floats // width) * width for floats in choices})
+    return next((floats for floats in rounded if floats * lanes >= row), rounded[-1])
 
 
-def _launch_shape(rows: int, row: int):
+def _launch_shape(rows: int, row: int, width: int):
     """(lanes per row, rows per thread block, thread blocks, values per lane forward, backward)
-    for `rows` rows of at most `row` elements."""
+    for `rows` rows of at most `row` elements read in vectors of `width`."""
     if SIMULATOR:
-        return SIMULATOR_LANES, 1, max(1, min(rows, SIMULATOR_GRID)), SIMULATOR_FLOATS, SIMULATOR_FLOATS
-    return (32, WARPS, max(1, min(-(-rows // WARPS), MAX_GRID)), _floats(FORWARD_FLOATS, row, 32),
-            _floats(BACKWARD_FLOATS, row, 32))
+        floats = _floats((SIMULATOR_FLOATS,), row, SIMULATOR_LANES, width)
+        return SIMULATOR_LANES, 1, max(1, min(rows, SIMULATOR_GRID)), floats, floats
+    return (32, WARPS, max(1, min(-(-rows // WARPS), MAX_GRID)), _floats(FORWARD_FLOATS, row, 32, width),
+            _floats(BACKWARD_FLOATS, row, 32, width))
 
 
 def _common(tensors, lut):
-    """(codec kind, 1-D word views, launch shape,
-    sizes: rows, nnz, groups, log2 B, log2 of the words per block row)."""
-    kind, words = word_views(tuple(t.view(-1) for t in tensors), BF16_PAIRS)
-    per = codec(kind)[0]
+    """(element format, vector width (at most B: no vector crosses blocks), 1-D word views,
+    launch shape, sizes: rows, nnz, groups, log2 B, log2 of the vectors per block row)."""
+    fmt, width, views = vector_views(tuple(t.view(-1) for t in tensors), lut.block)
     groups = lut.heads * lut.block_rows
     rows = tensors[0].shape[0] * groups * lut.block
     log2b = lut.block.bit_length() - 1
-    sizes = (rows, lut.nnz, groups, log2b, log2b - (per - 1))
-    return kind, words, _launch_shape(rows, lut.max_blocks * lut.block), tuple(numpy.int64(v) for v in sizes)
+    sizes = (rows, lut.nnz, groups, log2b, log2b - (width.bit_length() - 1))
+    shape = _launch_shape(rows, lut.max_blocks * lut.block, width)
+    return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     if x.numel() == 0:
         return
-    kind, words, (lanes, warps, grid, floats, _), (rows, nnz, groups, log2b, log2w) = _common((x, out), lut)
-    launch(_forward_kernel(kind, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
-           (*words, lut.offsets, lut.columns, rows, nnz, groups, numpy.int64(lut.block_rows), log2b, log2w,
+    fmt, width, views, shape, (rows, nnz, groups, log2b, log2v) = _common((x, out), lut)
+    lanes, warps, grid, floats, _ = shape
+    launch(_forward_kernel(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
+           (*views, lut.offsets, lut.columns, rows, nnz, groups, numpy.int64(lut.block_rows), log2b, log2v,
             numpy.float32(scale)))
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
     if y.numel() == 0:
         return
-    kind, words, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
-    launch(_backward_kernel(kind, floats, lanes, warps), grid, lanes * warps,
-           (*words, lut.offsets, *sizes, numpy.float32(scale)))
+    fmt, width, views, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
+    launch(_backward_kernel(fmt, width, floats, lanes, warps), grid, lanes * warps,
+           (*views, lut.offsets, *sizes, numpy.float32(scale)))

@@ -4,8 +4,9 @@ logits) and backward (elementwise over (row, column chunk), one read and one wri
 A target outside [0, C) that is not ignore_index is never used as an index: its
 loss is NaN and its gradient row NaN.
 
-Kernels are built per codec kind (_device.codec), elements per thread, and whether
-there is label smoothing and a weight; rows are indexed with unsigned integers (no
+Kernels are built per element format and vector width (_device.row_io), elements
+per thread, and whether there is label smoothing and a weight; rows are read and
+written a vector at a time through one-row views indexed with unsigned integers (no
 negative-index wraparound code).
 """
 
@@ -14,29 +15,30 @@ import functools
 import numpy
 from numba import cuda, float32, uint64
 
-from ._device import NAN, NEG_INF, block_online_merge, block_sum, codec, expf, kahan_add, logf, online_add_all
-from ._glue import MAX_THREADS, kernel, launch, threads_for, word_views
+from ._device import (NAN, NEG_INF, block_online_merge, block_sum, expf, kahan_add, logf, online_add_all, row_io,
+                      strided_io, word_layout)
+from ._glue import MAX_THREADS, kernel, launch, threads_for, vector_views
 
 UNROLL = 16          # forward: elements per thread per step
 BACKWARD_UNROLL = 16  # backward: elements per thread
 BACKWARD_THREADS = 256
-BF16_PAIRS = True    # bfloat16 rows of even length read and written two elements per access
 
 
 @functools.cache
-def _forward(kind, unroll, smooth, has_weight):
-    per, unpack, _ = codec(kind)
-    words = unroll // per
+def _forward(fmt, width, unroll, smooth, has_weight):
+    vectors = unroll // width
+    read_vectors, _ = strided_io(fmt, width, vectors)
+    read, _ = row_io(fmt, width)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def forward(x, target, weight, loss, lse, ignore_index, eps):
         row = cuda.blockIdx.x
-        urow = uint64(row)
-        x_row = x[urow]
+        x_row = x[uint64(row)]
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n_words = x.shape[1]
-        n = n_words * per
+        n_vectors = x.shape[1] // words
+        n = n_vectors * width
         buf_m = cuda.shared.array(MAX_THREADS, float32)
         buf_s = cuda.shared.array(MAX_THREADS, float32)
         vals = cuda.local.array(unroll, float32)
@@ -45,28 +47,20 @@ def _forward(kind, unroll, smooth, has_weight):
         weighted_x = float32(0.0)   # sum_c w[c] * x[c], for label smoothing
         lost = float32(0.0)
         weight_total = float32(0.0)
-        for base in range(tid, n_words, threads * words):
-            for k in range(words):
-                c = base + k * threads
-                if c < n_words:
-                    got = unpack(x_row[uint64(c)])
-                    for j in range(per):
-                        vals[k * per + j] = got[j]
-                else:
-                    for j in range(per):
-                        vals[k * per + j] = NEG_INF
+        for base in range(tid, n_vectors, threads * vectors):
+            read_vectors(x_row, base, threads, n_vectors, vals, NEG_INF)
             m, s = online_add_all(m, s, vals)
             if smooth:
-                for k in range(words):
+                for k in range(vectors):
                     c = base + k * threads
-                    if c < n_words:
-                        for j in range(per):
+                    if c < n_vectors:
+                        for j in range(width):
                             if has_weight:
-                                w = weight[c * per + j]
-                                weighted_x, lost = kahan_add(weighted_x, lost, w * vals[k * per + j])
+                                w = weight[c * width + j]
+                                weighted_x, lost = kahan_add(weighted_x, lost, w * vals[k * width + j])
                                 weight_total += w
                             else:
-                                weighted_x, lost = kahan_add(weighted_x, lost, vals[k * per + j])
+                                weighted_x, lost = kahan_add(weighted_x, lost, vals[k * width + j])
         m, s = block_online_merge(buf_m, buf_s, m, s)
         if smooth:
             weighted_x = block_sum(buf_s, weighted_x - lost)
@@ -84,7 +78,11 @@ def _forward(kind, unroll, smooth, has_weight):
                 loss[row] = NAN
             else:
                 w_t = weight[t] if has_weight else float32(1.0)
-                x_t = unpack(x_row[uint64(t // per)])[t % per]
+                read(x_row, t // width, vals, 0)
+                x_t = vals[0]
+                for j in range(1, width):
+                    if t % width == j:
+                        x_t = vals[j]
                 value = (float32(1.0) - eps) * w_t * (row_lse - x_t)
                 if smooth:
                     value += eps / float32(n) * (weight_total * row_lse - weighted_x)
@@ -94,29 +92,28 @@ def _forward(kind, unroll, smooth, has_weight):
 
 
 @functools.cache
-def _backward(kind, unroll, smooth, has_weight):
-    per, unpack, pack = codec(kind)
-    words = unroll // per
+def _backward(fmt, width, unroll, smooth, has_weight):
+    vectors = unroll // width
+    read_vectors, write_vectors = strided_io(fmt, width, vectors)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def backward(x, target, weight, weight_sum, lse, grad_loss, grad, ignore_index, eps):
         row = cuda.blockIdx.x
-        urow = uint64(row)
-        x_row = x[urow]
-        grad_row = grad[urow]
+        x_row = x[uint64(row)]
+        grad_row = grad[uint64(row)]
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n_words = x.shape[1]
-        n = n_words * per
-        start = cuda.blockIdx.y * threads * words + tid
+        n_vectors = x.shape[1] // words
+        n = n_vectors * width
+        first = cuda.blockIdx.y * threads * vectors + tid
         t = target[row]
         vals = cuda.local.array(unroll, float32)
         if t == ignore_index or t < 0 or t >= n:
             fill = float32(0.0) if t == ignore_index else NAN
-            for k in range(words):
-                c = start + k * threads
-                if c < n_words:
-                    grad_row[uint64(c)] = pack(fill, fill)
+            for k in range(unroll):
+                vals[k] = fill
+            write_vectors(grad_row, first, threads, n_vectors, vals)
             return
         g = grad_loss[row]
         row_lse = lse[row]
@@ -125,24 +122,19 @@ def _backward(kind, unroll, smooth, has_weight):
         hit = g * (float32(1.0) - eps) * w_t        # coefficient of (p - [c == t])
         spread = g * eps / float32(n)               # coefficient of (W * p - w[c])
         coef_p = hit + spread * w_total
-        for k in range(words):
-            c = start + k * threads
-            if c < n_words:
-                got = unpack(x_row[uint64(c)])
-                for j in range(per):
-                    vals[k * per + j] = got[j]
-        for k in range(words):
-            c = start + k * threads
-            if c < n_words:
-                for j in range(per):
-                    col = c * per + j
-                    value = coef_p * expf(vals[k * per + j] - row_lse)
+        read_vectors(x_row, first, threads, n_vectors, vals, float32(0.0))
+        for k in range(vectors):
+            c = first + k * threads
+            if c < n_vectors:
+                for j in range(width):
+                    col = c * width + j
+                    value = coef_p * expf(vals[k * width + j] - row_lse)
                     if col == t:
                         value -= hit
                     if smooth:
                         value -= spread * (weight[col] if has_weight else float32(1.0))
-                    vals[k * per + j] = value
-                grad_row[uint64(c)] = pack(vals[k * per], vals[k * per + per - 1])
+                    vals[k * width + j] = value
+        write_vectors(grad_row, first, threads, n_vectors, vals)
 
     return backward
 
@@ -150,9 +142,9 @@ def _backward(kind, unroll, smooth, has_weight):
 def forward(logits, target, weight, loss, lse, ignore_index: int, label_smoothing: float) -> None:
     rows, classes = logits.shape
     threads = threads_for(classes, 4 * UNROLL)
-    kind, (logit_words,) = word_views((logits,), BF16_PAIRS)
+    fmt, width, (logit_words,) = vector_views((logits,))
     weight_or_placeholder = weight if weight is not None else loss   # never read when weight is None
-    launch(_forward(kind, UNROLL, bool(numpy.float32(label_smoothing)), weight is not None), rows, threads,
+    launch(_forward(fmt, width, UNROLL, bool(numpy.float32(label_smoothing)), weight is not None), rows, threads,
            (logit_words, target, weight_or_placeholder, loss, lse, numpy.int64(ignore_index),
             numpy.float32(label_smoothing)))
 
@@ -161,11 +153,10 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
              label_smoothing: float) -> None:
     rows, classes = logits.shape
     threads = min(BACKWARD_THREADS, threads_for(classes, BACKWARD_UNROLL))
-    kind, (logit_words, grad_words) = word_views((logits, grad_logits), BF16_PAIRS)
-    per = codec(kind)[0]
-    words_per_chunk = threads * (BACKWARD_UNROLL // per)
-    chunks = -(-logit_words.shape[1] // words_per_chunk)
+    fmt, width, (logit_words, grad_words) = vector_views((logits, grad_logits))
+    chunks = -(-(classes // width) // (threads * (BACKWARD_UNROLL // width)))
     has_weight = weight is not None
-    launch(_backward(kind, BACKWARD_UNROLL, bool(numpy.float32(label_smoothing)), has_weight), (rows, chunks), threads,
+    launch(_backward(fmt, width, BACKWARD_UNROLL, bool(numpy.float32(label_smoothing)), has_weight),
+           (rows, chunks), threads,
            (logit_words, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse, grad_loss,
             grad_words, numpy.int64(ignore_index), numpy.float32(label_smoothing)))

@@ -12,12 +12,13 @@ Three ways to walk a row, all reading in float32 and writing in the row's dtype:
   resident together (parts <= half the SMs, see _max_parts).
 - looping (the rest, and the simulator, which runs one block at a time): one
   block per row, two reads (online max/sum, then the output), UNROLL loads in
-  flight per thread.
+  flight per thread. The second pass walks the row from its end, so it first
+  meets what the first pass read last, while that is still in L2.
 
-Kernels are built by the factories below per (codec kind, log, elements per
-thread), all compile-time constants. Rows are read and written in words
-(_device.codec) through one-row views indexed with unsigned integers, which
-numba compiles without negative-index wraparound.
+Kernels are built by the factories below per (element format, vector width, log,
+elements per thread), all compile-time constants. Rows are read and written a
+vector at a time (_device.strided_io) through one-row views indexed with unsigned
+integers, which numba compiles without negative-index wraparound.
 """
 
 import functools
@@ -26,72 +27,88 @@ import numpy
 import torch
 from numba import cuda, float32, int32, uint64
 
-from ._device import (NEG_INF, block_max, block_online_merge, block_sum, codec, expf, kahan_add, logf, nan_max,
-                      online_add_all, online_merge)
-from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, word_views
+from ._device import (NEG_INF, block_max, block_online_merge, block_sum, expf, kahan_add, logf, nan_max,
+                      online_add_all, online_merge, strided_io, word_layout)
+from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, vector_views
 
-CACHE = 32       # forward: row elements per thread held in registers (rows up to 1024 * CACHE)
+CACHE = 32       # forward: row elements per thread held in registers (rows up to CACHED_THREADS * CACHE)
 CACHE_BWD = 16   # backward: elements of y and of dy per thread (the plan aims at these counts)
 UNROLL = 8       # elements per thread per step of the looping kernels
 MAX_PARTS = 4    # most blocks one row is split into; longer rows loop (H200: faster beyond 4 parts)
+CACHED_THREADS = 1024   # most threads of a block that holds a whole row
 SPLIT_THREADS = 512   # several blocks per SM, so one's loads overlap another's waiting
-BF16_PAIRS = True     # bfloat16 rows of even length read and written two elements per access
+
+
+@device_function
+def _normalise(vals, m, s, log):
+    """vals (exp(x - m) for softmax, x for log_softmax) -> the outputs, in place."""
+    if log:
+        log_s = logf(s)
+        for k in range(vals.shape[0]):
+            vals[k] = (vals[k] - m) - log_s
+    else:
+        inv_s = float32(1.0) / s
+        for k in range(vals.shape[0]):
+            vals[k] = vals[k] * inv_s
+
+
+@device_function
+def _exp_sum(vals, m, keep):
+    """Sum of exp(vals - m); vals become those exponentials when `keep`."""
+    s = float32(0.0)
+    for k in range(vals.shape[0]):
+        e = expf(vals[k] - m)
+        s += e
+        if keep:
+            vals[k] = e
+    return s
+
+
+@device_function
+def _dot(ys, gs, log):
+    """The row term of the backward: sum(dy) for log_softmax, sum(y * dy) for softmax."""
+    acc = float32(0.0)
+    for k in range(gs.shape[0]):
+        acc += gs[k] if log else ys[k] * gs[k]
+    return acc
+
+
+@device_function
+def _gradient(ys, gs, acc, log):
+    """gs -> dx in place: dy - exp(y) * acc (log_softmax) or y * (dy - acc) (softmax)."""
+    for k in range(gs.shape[0]):
+        gs[k] = gs[k] - expf(ys[k]) * acc if log else ys[k] * (gs[k] - acc)
 
 
 @functools.cache
-def _forward_cached(kind, log, cache):
-    per, unpack, pack = codec(kind)
-    words = cache // per
+def _forward_cached(fmt, width, log, cache):
+    read_vectors, write_vectors = strided_io(fmt, width, cache // width)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def forward_cached(x, out):
         row = uint64(cuda.blockIdx.x)
-        x_row = x[row]
-        out_row = out[row]
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n = x.shape[1]
+        n_vectors = x.shape[1] // words
         buf = cuda.shared.array(MAX_THREADS, float32)
         vals = cuda.local.array(cache, float32)
-        for k in range(words):
-            c = tid + k * threads
-            if c < n:
-                got = unpack(x_row[uint64(c)])
-                for j in range(per):
-                    vals[k * per + j] = got[j]
-            else:
-                for j in range(per):
-                    vals[k * per + j] = NEG_INF
+        read_vectors(x[row], tid, threads, n_vectors, vals, NEG_INF)
         m = NEG_INF
         for k in range(cache):
             m = nan_max(m, vals[k])
         m = block_max(buf, m)
-        s = float32(0.0)
-        for k in range(cache):
-            e = expf(vals[k] - m)
-            s += e
-            if not log:
-                vals[k] = e
-        s = block_sum(buf, s)
-        log_s = logf(s)
-        inv_s = float32(1.0) / s
-        for k in range(words):
-            c = tid + k * threads
-            if c < n:
-                first = vals[k * per]
-                second = vals[k * per + per - 1]
-                if log:
-                    out_row[uint64(c)] = pack((first - m) - log_s, (second - m) - log_s)
-                else:
-                    out_row[uint64(c)] = pack(first * inv_s, second * inv_s)
+        s = block_sum(buf, _exp_sum(vals, m, not log))
+        _normalise(vals, m, s, log)
+        write_vectors(out[row], tid, threads, n_vectors, vals)
 
     return forward_cached
 
 
 @functools.cache
-def _forward_looping(kind, log, unroll):
-    per, unpack, pack = codec(kind)
-    words = unroll // per
+def _forward_looping(fmt, width, log, unroll):
+    read_vectors, write_vectors = strided_io(fmt, width, unroll // width)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def forward_looping(x, out):
@@ -100,96 +117,56 @@ def _forward_looping(kind, log, unroll):
         out_row = out[row]
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n = x.shape[1]
+        n_vectors = x.shape[1] // words
+        step = threads * (unroll // width)
         buf_m = cuda.shared.array(MAX_THREADS, float32)
         buf_s = cuda.shared.array(MAX_THREADS, float32)
         vals = cuda.local.array(unroll, float32)
         m = NEG_INF
         s = float32(0.0)
-        for base in range(tid, n, threads * words):
-            for k in range(words):
-                c = base + k * threads
-                if c < n:
-                    got = unpack(x_row[uint64(c)])
-                    for j in range(per):
-                        vals[k * per + j] = got[j]
-                else:
-                    for j in range(per):
-                        vals[k * per + j] = NEG_INF
+        for base in range(tid, n_vectors, step):
+            read_vectors(x_row, base, threads, n_vectors, vals, NEG_INF)
             m, s = online_add_all(m, s, vals)
         m, s = block_online_merge(buf_m, buf_s, m, s)
-        log_s = logf(s)
-        inv_s = float32(1.0) / s
-        for base in range(tid, n, threads * words):
-            for k in range(words):
-                c = base + k * threads
-                if c < n:
-                    got = unpack(x_row[uint64(c)])
-                    for j in range(per):
-                        vals[k * per + j] = got[j]
-            for k in range(words):
-                c = base + k * threads
-                if c < n:
-                    first = vals[k * per]
-                    second = vals[k * per + per - 1]
-                    if log:
-                        out_row[uint64(c)] = pack((first - m) - log_s, (second - m) - log_s)
-                    else:
-                        out_row[uint64(c)] = pack(expf(first - m) * inv_s, expf(second - m) * inv_s)
+        steps = (n_vectors + step - 1) // step
+        for back in range(steps):
+            base = tid + (steps - 1 - back) * step
+            read_vectors(x_row, base, threads, n_vectors, vals, NEG_INF)
+            if not log:
+                _exp_sum(vals, m, True)
+            _normalise(vals, m, s, log)
+            write_vectors(out_row, base, threads, n_vectors, vals)
 
     return forward_looping
 
 
 @functools.cache
-def _backward_cached(kind, log, cache):
-    per, unpack, pack = codec(kind)
-    words = cache // per
+def _backward_cached(fmt, width, log, cache):
+    read_vectors, write_vectors = strided_io(fmt, width, cache // width)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def backward_cached(y, dy, dx):
         row = uint64(cuda.blockIdx.x)
-        y_row = y[row]
-        dy_row = dy[row]
-        dx_row = dx[row]
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n = y.shape[1]
+        n_vectors = y.shape[1] // words
         buf = cuda.shared.array(MAX_THREADS, float32)
         ys = cuda.local.array(cache, float32)
         gs = cuda.local.array(cache, float32)
-        for k in range(words):
-            c = tid + k * threads
-            if c < n:
-                got_y = unpack(y_row[uint64(c)])
-                got_g = unpack(dy_row[uint64(c)])
-                for j in range(per):
-                    ys[k * per + j] = got_y[j]
-                    gs[k * per + j] = got_g[j]
-            else:
-                for j in range(per):
-                    ys[k * per + j] = float32(0.0)
-                    gs[k * per + j] = float32(0.0)
-        acc = float32(0.0)
-        for k in range(cache):
-            acc += gs[k] if log else ys[k] * gs[k]
-        acc = block_sum(buf, acc)
-        for k in range(words):
-            c = tid + k * threads
-            if c < n:
-                i = k * per
-                last = i + per - 1
-                if log:
-                    dx_row[uint64(c)] = pack(gs[i] - expf(ys[i]) * acc, gs[last] - expf(ys[last]) * acc)
-                else:
-                    dx_row[uint64(c)] = pack(ys[i] * (gs[i] - acc), ys[last] * (gs[last] - acc))
+        read_vectors(y[row], tid, threads, n_vectors, ys, float32(0.0))
+        read_vectors(dy[row], tid, threads, n_vectors, gs, float32(0.0))
+        acc = block_sum(buf, _dot(ys, gs, log))
+        _gradient(ys, gs, acc, log)
+        write_vectors(dx[row], tid, threads, n_vectors, gs)
 
     return backward_cached
 
 
 @functools.cache
-def _backward_looping(kind, log, unroll):
-    per, unpack, pack = codec(kind)
-    words = unroll // per
+def _backward_looping(fmt, width, log, unroll):
+    read_vectors, write_vectors = strided_io(fmt, width, unroll // width)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def backward_looping(y, dy, dx):
@@ -199,48 +176,26 @@ def _backward_looping(kind, log, unroll):
         dx_row = dx[row]
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n = y.shape[1]
+        n_vectors = y.shape[1] // words
+        step = threads * (unroll // width)
         buf = cuda.shared.array(MAX_THREADS, float32)
         ys = cuda.local.array(unroll, float32)
         gs = cuda.local.array(unroll, float32)
         acc = float32(0.0)
         lost = float32(0.0)
-        for base in range(tid, n, threads * words):
-            for k in range(words):
-                c = base + k * threads
-                if c < n:
-                    got_g = unpack(dy_row[uint64(c)])
-                    for j in range(per):
-                        gs[k * per + j] = got_g[j]
-                    if not log:
-                        got_y = unpack(y_row[uint64(c)])
-                        for j in range(per):
-                            ys[k * per + j] = got_y[j]
-                else:
-                    for j in range(per):
-                        ys[k * per + j] = float32(0.0)
-                        gs[k * per + j] = float32(0.0)
-            for k in range(unroll):
-                acc, lost = kahan_add(acc, lost, gs[k] if log else ys[k] * gs[k])
+        for base in range(tid, n_vectors, step):
+            read_vectors(dy_row, base, threads, n_vectors, gs, float32(0.0))
+            if not log:
+                read_vectors(y_row, base, threads, n_vectors, ys, float32(0.0))
+            acc, lost = kahan_add(acc, lost, _dot(ys, gs, log))
         acc = block_sum(buf, acc - lost)
-        for base in range(tid, n, threads * words):
-            for k in range(words):
-                c = base + k * threads
-                if c < n:
-                    got_y = unpack(y_row[uint64(c)])
-                    got_g = unpack(dy_row[uint64(c)])
-                    for j in range(per):
-                        ys[k * per + j] = got_y[j]
-                        gs[k * per + j] = got_g[j]
-            for k in range(words):
-                c = base + k * threads
-                if c < n:
-                    i = k * per
-                    last = i + per - 1
-                    if log:
-                        dx_row[uint64(c)] = pack(gs[i] - expf(ys[i]) * acc, gs[last] - expf(ys[last]) * acc)
-                    else:
-                        dx_row[uint64(c)] = pack(ys[i] * (gs[i] - acc), ys[last] * (gs[last] - acc))
+        steps = (n_vectors + step - 1) // step
+        for back in range(steps):
+            base = tid + (steps - 1 - back) * step
+            read_vectors(y_row, base, threads, n_vectors, ys, float32(0.0))
+            read_vectors(dy_row, base, threads, n_vectors, gs, float32(0.0))
+            _gradient(ys, gs, acc, log)
+            write_vectors(dx_row, base, threads, n_vectors, gs)
 
     return backward_looping
 
@@ -268,44 +223,29 @@ def _publish_and_wait(sync, row, parts):
 
 
 @functools.cache
-def _forward_split(kind, log, cache):
-    per, unpack, pack = codec(kind)
-    words = cache // per
+def _forward_split(fmt, width, log, cache):
+    read_vectors, write_vectors = strided_io(fmt, width, cache // width)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def forward_split(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n = x.shape[1]
+        n_vectors = x.shape[1] // words
         buf = cuda.shared.array(MAX_THREADS, float32)
         vals = cuda.local.array(cache, float32)
         ticket = _take_ticket(sync)
         row = ticket // parts
-        urow = uint64(row)
-        x_row = x[urow]
-        out_row = out[urow]
         part = ticket % parts
-        start = part * words * threads + tid
-        for k in range(words):
-            c = start + k * threads
-            if c < n:
-                got = unpack(x_row[uint64(c)])
-                for j in range(per):
-                    vals[k * per + j] = got[j]
-            else:
-                for j in range(per):
-                    vals[k * per + j] = NEG_INF
+        first = part * (cache // width) * threads + tid
+        read_vectors(x[uint64(row)], first, threads, n_vectors, vals, NEG_INF)
         m = NEG_INF
         for k in range(cache):
             m = nan_max(m, vals[k])
         part_m = block_max(buf, m)
         s = float32(0.0)
         if part_m != NEG_INF:
-            for k in range(cache):
-                e = expf(vals[k] - part_m)
-                s += e
-                if not log:
-                    vals[k] = e   # softmax keeps exp(x - part_m), rescaled below
+            s = _exp_sum(vals, part_m, not log)   # softmax keeps exp(x - part_m), rescaled below
         elif not log:
             for k in range(cache):
                 vals[k] = float32(0.0)
@@ -320,88 +260,65 @@ def _forward_split(kind, log, cache):
         for p in range(parts):
             m, s = online_merge(m, s, cuda.ldcg(stats, row * 2 * parts + p),
                                 cuda.ldcg(stats, row * 2 * parts + parts + p))
-        log_s = logf(s)
-        scale = expf(part_m - m) / s
-        for k in range(words):
-            c = start + k * threads
-            if c < n:
-                first = vals[k * per]
-                second = vals[k * per + per - 1]
-                if log:
-                    out_row[uint64(c)] = pack((first - m) - log_s, (second - m) - log_s)
-                else:
-                    out_row[uint64(c)] = pack(first * scale, second * scale)
+        if log:
+            _normalise(vals, m, s, True)
+        else:
+            scale = expf(part_m - m) / s
+            for k in range(cache):
+                vals[k] = vals[k] * scale
+        write_vectors(out[uint64(row)], first, threads, n_vectors, vals)
 
     return forward_split
 
 
 @functools.cache
-def _backward_split(kind, log, cache):
-    per, unpack, pack = codec(kind)
-    words = cache // per
+def _backward_split(fmt, width, log, cache):
+    read_vectors, write_vectors = strided_io(fmt, width, cache // width)
+    words = word_layout(fmt, width)[1]
 
     @kernel
     def backward_split(y, dy, dx, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
-        n = y.shape[1]
+        n_vectors = y.shape[1] // words
         buf = cuda.shared.array(MAX_THREADS, float32)
         ys = cuda.local.array(cache, float32)
         gs = cuda.local.array(cache, float32)
         ticket = _take_ticket(sync)
         row = ticket // parts
         urow = uint64(row)
-        y_row = y[urow]
-        dy_row = dy[urow]
-        dx_row = dx[urow]
         part = ticket % parts
-        start = part * words * threads + tid
-        for k in range(words):
-            c = start + k * threads
-            if c < n:
-                got_y = unpack(y_row[uint64(c)])
-                got_g = unpack(dy_row[uint64(c)])
-                for j in range(per):
-                    ys[k * per + j] = got_y[j]
-                    gs[k * per + j] = got_g[j]
-            else:
-                for j in range(per):
-                    ys[k * per + j] = float32(0.0)
-                    gs[k * per + j] = float32(0.0)
-        acc = float32(0.0)
-        for k in range(cache):
-            acc += gs[k] if log else ys[k] * gs[k]
-        acc = block_sum(buf, acc)
+        first = part * (cache // width) * threads + tid
+        read_vectors(y[urow], first, threads, n_vectors, ys, float32(0.0))
+        read_vectors(dy[urow], first, threads, n_vectors, gs, float32(0.0))
+        acc = block_sum(buf, _dot(ys, gs, log))
         if tid == 0:
             stats[row * parts + part] = acc
         _publish_and_wait(sync, row, parts)
         acc = float32(0.0)
         for p in range(parts):
             acc += cuda.ldcg(stats, row * parts + p)
-        for k in range(words):
-            c = start + k * threads
-            if c < n:
-                i = k * per
-                last = i + per - 1
-                if log:
-                    dx_row[uint64(c)] = pack(gs[i] - expf(ys[i]) * acc, gs[last] - expf(ys[last]) * acc)
-                else:
-                    dx_row[uint64(c)] = pack(ys[i] * (gs[i] - acc), ys[last] * (gs[last] - acc))
+        _gradient(ys, gs, acc, log)
+        write_vectors(dx[urow], first, threads, n_vectors, gs)
 
     return backward_split
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _max_parts(device_index: int) -> int:
     """Most parts a row may be split into on this GPU: few enough that they are always
     resident together (half the SMs, one block each), and at most MAX_PARTS."""
-    return min(MAX_PARTS, torch.cuda.get_device_properties(device_index).multi_processor_count // 2)
+    return min(MAX_PARTS, _multiprocessors(device_index) // 2)
 
 
 def _plan(n: int, cache: int, device=None):
     """('cached' | 'split' | 'looping', threads per block, parts per row) for rows of n
     elements and `cache` elements held per thread."""
-    threads = threads_for(n, cache)
+    threads = min(threads_for(n, cache), CACHED_THREADS)
     if n <= threads * cache:
         return "cached", threads, 1
     parts = -(-n // (SPLIT_THREADS * cache))
@@ -422,28 +339,28 @@ def _split_buffers(rows: int, parts: int, values_per_part: int, device):
 def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
     path, threads, parts = plan or _plan(n, CACHE, x.device)
-    kind, words = word_views((x, out), BF16_PAIRS)
+    fmt, width, words = vector_views((x, out))
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        launch(_forward_split(kind, log, CACHE), rows * parts, threads,
+        launch(_forward_split(fmt, width, log, CACHE), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
-        launch(_forward_cached(kind, log, CACHE), rows, threads, words)
+        launch(_forward_cached(fmt, width, log, CACHE), rows, threads, words)
     else:
-        launch(_forward_looping(kind, log, UNROLL), rows, threads, words)
+        launch(_forward_looping(fmt, width, log, UNROLL), rows, threads, words)
 
 
 def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
     path, threads, parts = plan or _plan(n, CACHE_BWD, y.device)
-    kind, words = word_views((y, dy, dx), BF16_PAIRS)
+    fmt, width, words = vector_views((y, dy, dx))
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
-        launch(_backward_split(kind, log, CACHE_BWD), rows * parts, threads,
+        launch(_backward_split(fmt, width, log, CACHE_BWD), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
-        launch(_backward_cached(kind, log, CACHE_BWD), rows, threads, words)
+        launch(_backward_cached(fmt, width, log, CACHE_BWD), rows, threads, words)
     else:
-        launch(_backward_looping(kind, log, UNROLL), rows, threads, words)
+        launch(_backward_looping(fmt, width, log, UNROLL), rows, threads, words)
