@@ -29,7 +29,7 @@ from ._glue import SIMULATOR, device_function, launch, vector_views
 # Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and
 # dy, backward: the smallest choice whose tile holds the widest row, else the largest. Each is
 # rounded up to a whole number of vectors.
-FORWARD_FLOATS = (16,)    # H200, 16-byte vectors: 16 was 1.3-1.9x faster than (16, 40, 64) on the bench layouts
+FORWARD_FLOATS = (16,)   # H200: 1.3-1.9x faster than (16, 40, 64) on the bench layouts
 BACKWARD_FLOATS = (16,)  # H200: 32 and 48 need 150-216 registers; 16 was 1.3-2x faster on the bench layouts
 WARPS = 4              # rows (warps) per thread block on the GPU
 MAX_GRID = 1 << 20     # most thread blocks launched; more rows are walked grid-stride

@@ -15,8 +15,8 @@ import functools
 import numpy
 from numba import cuda, float32, uint64
 
-from ._device import (NAN, NEG_INF, block_online_merge, block_sum, expf, kahan_add, logf, online_add_all, row_io,
-                      strided_io, word_layout)
+from ._device import (NAN, NEG_INF, block_online_merge, block_sum, expf, kahan_add, logf, online_add_all,
+                      row_io, strided_io, word_layout)
 from ._glue import MAX_THREADS, kernel, launch, threads_for, vector_views
 
 UNROLL = 16          # forward: elements per thread per step
@@ -144,7 +144,8 @@ def forward(logits, target, weight, loss, lse, ignore_index: int, label_smoothin
     threads = threads_for(classes, 4 * UNROLL)
     fmt, width, (logit_words,) = vector_views((logits,))
     weight_or_placeholder = weight if weight is not None else loss   # never read when weight is None
-    launch(_forward(fmt, width, UNROLL, bool(numpy.float32(label_smoothing)), weight is not None), rows, threads,
+    smooth = bool(numpy.float32(label_smoothing))
+    launch(_forward(fmt, width, UNROLL, smooth, weight is not None), rows, threads,
            (logit_words, target, weight_or_placeholder, loss, lse, numpy.int64(ignore_index),
             numpy.float32(label_smoothing)))
 
@@ -158,5 +159,5 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
     has_weight = weight is not None
     launch(_backward(fmt, width, BACKWARD_UNROLL, bool(numpy.float32(label_smoothing)), has_weight),
            (rows, chunks), threads,
-           (logit_words, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse, grad_loss,
-            grad_words, numpy.int64(ignore_index), numpy.float32(label_smoothing)))
+           (logit_words, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse,
+            grad_loss, grad_words, numpy.int64(ignore_index), numpy.float32(label_smoothing)))

@@ -28,15 +28,18 @@ import torch
 from numba import cuda, float32, int32, uint64
 
 from ._device import (NEG_INF, block_max, block_online_merge, block_sum, expf, kahan_add, logf, nan_max,
-                      online_add_all, online_merge, strided_io, word_layout)
+                      online_add_all, online_merge, strided_io, warp_online_merge, warp_sum, word_layout)
 from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, vector_views
 
+# Measured on the H200 (benchmarks/tune/numba.sh); keyed by the element size in bytes where
+# float32 and 16-bit rows differ.
 CACHE = 32       # forward: row elements per thread held in registers (rows up to CACHED_THREADS * CACHE)
-CACHE_BWD = 16   # backward: elements of y and of dy per thread (the plan aims at these counts)
+CACHE_BWD = {4: (16,), 2: (8, 32)}   # backward: elements of y and of dy per thread, fewest first
 UNROLL = 8       # elements per thread per step of the looping kernels
-MAX_PARTS = 4    # most blocks one row is split into; longer rows loop (H200: faster beyond 4 parts)
+MAX_PARTS = {4: 64, 2: 0}   # most blocks one row is split into (16-bit rows: looping was faster)
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
-SPLIT_THREADS = 512   # several blocks per SM, so one's loads overlap another's waiting
+SPLIT_THREADS = 256   # several blocks per SM, so one's loads overlap another's waiting
+COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
 
 
 @device_function
@@ -212,14 +215,36 @@ def _take_ticket(sync):
 
 @device_function
 def _publish_and_wait(sync, row, parts):
-    """Count this part of `row` as published (sync[1 + row]) and wait for all `parts`."""
+    """Count this part of `row` as published and wait for all `parts` (the row's counter is
+    sync[(row + 1) * COUNTER_STRIDE], alone on its 128-byte line)."""
     if cuda.threadIdx.x == 0:
+        counter = (row + 1) * COUNTER_STRIDE
         cuda.threadfence()
-        cuda.atomic.add(sync, row + 1, 1)
-        while cuda.atomic.add(sync, row + 1, 0) < parts:
+        cuda.atomic.add(sync, counter, 1)
+        while cuda.atomic.add(sync, counter, 0) < parts:
             pass
         cuda.threadfence()
     cuda.syncthreads()
+
+
+@device_function
+def _merged_statistics(stats, at, parts):
+    """The row's (max, sum of exp) from its parts' stats[at:at + parts] (maxima) and
+    stats[at + parts:at + 2 * parts] (sums): each warp's lanes load parts side by side."""
+    m = NEG_INF
+    s = float32(0.0)
+    for p in range(cuda.threadIdx.x % 32, parts, 32):
+        m, s = online_merge(m, s, cuda.ldcg(stats, at + p), cuda.ldcg(stats, at + parts + p))
+    return warp_online_merge(m, s)
+
+
+@device_function
+def _summed_statistics(stats, at, parts):
+    """The sum of stats[at:at + parts]: each warp's lanes load parts side by side."""
+    total = float32(0.0)
+    for p in range(cuda.threadIdx.x % 32, parts, 32):
+        total += cuda.ldcg(stats, at + p)
+    return warp_sum(total)
 
 
 @functools.cache
@@ -255,11 +280,7 @@ def _forward_split(fmt, width, log, cache):
             stats[at] = part_m
             stats[at + parts] = s
         _publish_and_wait(sync, row, parts)
-        m = NEG_INF
-        s = float32(0.0)
-        for p in range(parts):
-            m, s = online_merge(m, s, cuda.ldcg(stats, row * 2 * parts + p),
-                                cuda.ldcg(stats, row * 2 * parts + parts + p))
+        m, s = _merged_statistics(stats, row * 2 * parts, parts)
         if log:
             _normalise(vals, m, s, True)
         else:
@@ -295,9 +316,7 @@ def _backward_split(fmt, width, log, cache):
         if tid == 0:
             stats[row * parts + part] = acc
         _publish_and_wait(sync, row, parts)
-        acc = float32(0.0)
-        for p in range(parts):
-            acc += cuda.ldcg(stats, row * parts + p)
+        acc = _summed_statistics(stats, row * parts, parts)
         _gradient(ys, gs, acc, log)
         write_vectors(dx[urow], first, threads, n_vectors, gs)
 
@@ -309,58 +328,62 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _max_parts(device_index: int) -> int:
-    """Most parts a row may be split into on this GPU: few enough that they are always
-    resident together (half the SMs, one block each), and at most MAX_PARTS."""
-    return min(MAX_PARTS, _multiprocessors(device_index) // 2)
+def _max_parts(device_index: int, size: int) -> int:
+    """Most parts a row of `size`-byte elements may be split into on this GPU: few enough
+    that they are always resident together (half the SMs, one block each), and at most
+    MAX_PARTS[size]."""
+    return min(MAX_PARTS[size], _multiprocessors(device_index) // 2)
 
 
-def _plan(n: int, cache: int, device=None):
-    """('cached' | 'split' | 'looping', threads per block, parts per row) for rows of n
-    elements and `cache` elements held per thread."""
-    threads = min(threads_for(n, cache), CACHED_THREADS)
-    if n <= threads * cache:
-        return "cached", threads, 1
+def _plan(n: int, caches, size: int, device=None):
+    """('cached' | 'split' | 'looping', threads per block, parts per row, elements per thread)
+    for rows of n elements of `size` bytes; `caches`: the elements per thread that a block
+    holding the whole row may take, fewest first."""
+    for cache in caches:
+        threads = min(threads_for(n, cache), CACHED_THREADS)
+        if n <= threads * cache:
+            return "cached", threads, 1, cache
+    cache = caches[0]
     parts = -(-n // (SPLIT_THREADS * cache))
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if parts <= _max_parts(index):
-            return "split", SPLIT_THREADS, parts
-    return "looping", threads_for(n, 8 * UNROLL), 1
+        if parts <= _max_parts(index, size):
+            return "split", SPLIT_THREADS, parts, cache
+    return "looping", threads_for(n, 8 * UNROLL), 1, cache
 
 
 def _split_buffers(rows: int, parts: int, values_per_part: int, device):
     """(statistics, zeroed counters: started blocks, then published parts per row)."""
     stats = torch.empty(rows * parts * values_per_part, dtype=torch.float32, device=device)
-    sync = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+    sync = torch.zeros((rows + 1) * COUNTER_STRIDE, dtype=torch.int32, device=device)
     return stats, sync
 
 
 def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
-    path, threads, parts = plan or _plan(n, CACHE, x.device)
+    path, threads, parts, cache = plan or _plan(n, (CACHE,), x.element_size(), x.device)
     fmt, width, words = vector_views((x, out))
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        launch(_forward_split(fmt, width, log, CACHE), rows * parts, threads,
+        launch(_forward_split(fmt, width, log, cache), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
-        launch(_forward_cached(fmt, width, log, CACHE), rows, threads, words)
+        launch(_forward_cached(fmt, width, log, cache), rows, threads, words)
     else:
         launch(_forward_looping(fmt, width, log, UNROLL), rows, threads, words)
 
 
 def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
-    path, threads, parts = plan or _plan(n, CACHE_BWD, y.device)
+    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[y.element_size()], y.element_size(), y.device)
     fmt, width, words = vector_views((y, dy, dx))
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
-        launch(_backward_split(fmt, width, log, CACHE_BWD), rows * parts, threads,
+        launch(_backward_split(fmt, width, log, cache), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
-        launch(_backward_cached(fmt, width, log, CACHE_BWD), rows, threads, words)
+        launch(_backward_cached(fmt, width, log, cache), rows, threads, words)
     else:
         launch(_backward_looping(fmt, width, log, UNROLL), rows, threads, words)

@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# numba with 16-byte vector accesses: the defaults on every headline shape of softmax, cross-entropy and the
-# block-sparse subset, then the split path for rows of 32768 and more with smaller blocks (more parts per
-# row, more blocks per SM), and the block-sparse values per lane. Writes $OUT/numba.csv.
-# Earlier rounds of the vector kernels (variants no longer listed here) kept: 32 forward and 16 backward
-# elements per thread, cross-entropy 16 elements per thread (8 and 32 slower for bf16), the whole row of
-# 32768 in one block of 1024 threads (blocks of 512 split or looping were slower), the looping kernel at 8
-# elements per step (16 and 32 no faster), at most 4 parts of 512 threads per row (8 and 16 slower).
+# numba with 16-byte vector accesses: the defaults on every headline shape, then the alternatives that the
+# defaults were chosen against (logs of each round: benchmarks/results/tuning/numba-vectors-round*.txt):
+# rows of 32768 and more split over blocks (float32; 16-bit rows loop), threads per part, backward
+# elements per thread, cross-entropy elements per thread, block-sparse values per lane. Writes $OUT/numba.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
 tune() { python3 benchmarks/tune/tune.py --backend numba --csv "$OUT/numba.csv" "$@" || echo "tune.py failed: $*"; }
 S='import multisoft_numba.softmax as s'
+C='import multisoft_numba.cross_entropy as c'
 B='import multisoft_numba.blocksparse as b'
-LAYOUTS="b16 25% Z1,b16 25% causal,b64 26% causal,b128 27%"
-tune --ops softmax,cross_entropy --dtypes fp32,bf16 --directions forward,backward --variant base:
-tune --ops softmax --dtypes fp32,bf16 --cases 4096x32768,1024x131072,512x262144 --directions forward,backward \
-    --variant "split256:$S; s.SPLIT_THREADS = 256; s.MAX_PARTS = 64; s.CACHED_THREADS = 512" \
-    --variant "split128:$S; s.SPLIT_THREADS = 128; s.MAX_PARTS = 64; s.CACHED_THREADS = 512"
-tune --ops blocksparse_softmax --dtypes fp32,bf16 --cases "$LAYOUTS" --directions forward,backward \
-    --variant base: --variant "fwd16:$B; b.FORWARD_FLOATS = (16,)" --variant "fwd32:$B; b.FORWARD_FLOATS = (16, 32)" \
-    --variant "warps8:$B; b.WARPS = 8"
+LONG=4096x32768,1024x131072,512x262144
+tune --ops softmax,cross_entropy,blocksparse_softmax --dtypes fp32,bf16 --directions forward,backward --variant base:
+tune --ops softmax --dtypes fp32,bf16 --cases $LONG --directions forward,backward \
+    --variant "looping:$S; s.MAX_PARTS = {4: 0, 2: 0}" \
+    --variant "split16bit:$S; s.MAX_PARTS = {4: 64, 2: 64}" \
+    --variant "threads512:$S; s.SPLIT_THREADS = 512"
+tune --ops softmax --dtypes fp32,bf16 --cases 32768x1024,16384x4096,4096x32768 --directions backward \
+    --variant "bwd16:$S; s.CACHE_BWD = {4: (16,), 2: (16,)}" --variant "bwd8:$S; s.CACHE_BWD = {4: (8,), 2: (8,)}"
+tune --ops cross_entropy --dtypes fp32,bf16 --directions forward,backward \
+    --variant "ce8:$C; c.UNROLL = 8; c.BACKWARD_UNROLL = 8" --variant "ce32:$C; c.UNROLL = 32; c.BACKWARD_UNROLL = 32"
+tune --ops blocksparse_softmax --dtypes fp32,bf16 --cases "b16 25% Z1,b16 25% causal,b64 26% causal,b128 27%" \
+    --directions forward,backward --variant "fwd-wide:$B; b.FORWARD_FLOATS = (16, 40, 64)" --variant "warps8:$B; b.WARPS = 8"
