@@ -70,6 +70,7 @@ LOW_HALF = int32(0xFFFF)
 FP32, FP16, BF16 = 0, 1, 2   # element formats
 
 
+
 def word_layout(fmt, width):
     """(word dtype, words per vector) of `width`-element vectors: float32 words for FP32;
     16-bit elements go as int32 pairs (element 2i in the low half), or as int16 when a
@@ -99,8 +100,7 @@ def row_io(fmt, width):
             return int32((int32(encode(high)) << 16) | (int32(encode(low)) & LOW_HALF))
 
     @device_function
-    def read(array, i, vals, at):
-        raw = cuda.local.array(words, word)
+    def read_through(array, i, vals, at, raw):
         load_words(array, i, raw)
         for j in range(words):
             if fmt == FP32:
@@ -112,8 +112,7 @@ def row_io(fmt, width):
                 vals[at + 2 * j + 1] = decode(raw[j] >> 16)
 
     @device_function
-    def write(array, i, vals, at):
-        raw = cuda.local.array(words, word)
+    def write_through(array, i, vals, at, raw):
         for j in range(words):
             if fmt == FP32:
                 raw[j] = vals[at + j]
@@ -122,6 +121,23 @@ def row_io(fmt, width):
             else:
                 raw[j] = pack_two(vals[at + 2 * j], vals[at + 2 * j + 1])
         store_words(array, i, raw)
+
+    # The words pass through a local array. Under the simulator that is a numpy array made
+    # here, so that read and write stay plain functions (see _glue.device_function).
+    if SIMULATOR:
+        def read(array, i, vals, at):
+            read_through(array, i, vals, at, numpy.empty(words, word.name))
+
+        def write(array, i, vals, at):
+            write_through(array, i, vals, at, numpy.empty(words, word.name))
+    else:
+        @device_function
+        def read(array, i, vals, at):
+            read_through(array, i, vals, at, cuda.local.array(words, word))
+
+        @device_function
+        def write(array, i, vals, at):
+            write_through(array, i, vals, at, cuda.local.array(words, word))
 
     return read, write
 
