@@ -165,3 +165,52 @@ def test_long_rows_split_path_special_rows(columns, dtype, log):
     x[2, 1000] = float("nan")
     x[3, 5::3] = float("-inf")
     _check_softmax(x, log)
+
+
+@needs_kernels
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, monkeypatch):
+    """Block-rows of 1..48 blocks (and empty ones) in launches by length, the longest on the loop path."""
+    import multisoft
+    from multisoft._blocksparse import lookup_table
+    from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
+    from multisoft_triton import blocksparse
+
+    monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", 0.0)
+    monkeypatch.setattr(blocksparse, "TILE_MAX", 512)  # rows of more than 32 blocks of 16 take the loop path
+    block, heads, block_rows, block_cols = 16, 2, 24, 48
+    lengths = torch.arange(block_rows) * 2 + 1
+    layout = (torch.arange(block_cols)[None, None, :] < lengths[None, :, None]).expand(heads, -1, -1).long()
+    layout = layout[:, :, torch.randperm(block_cols)].contiguous()  # columns shuffled: lengths stay
+    layout[1, 3] = 0
+    lut = lookup_table(layout, block, DEVICE)
+    launches = blocksparse._schedule(lut)
+    assert len(launches) >= 4 and any(not tile for _, _, (tile, _, _) in launches)
+    x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 2).to(dtype)
+    y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=is_causal, backend="triton")
+    _, ratio = error_ratio(y, reference_blocksparse(x, layout, block, 0.5, is_causal), dtype)
+    assert ratio <= 1, f"forward: {ratio:.3g} x the tolerance"
+    dy = torch.randn_like(y)
+    dx = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=0.5, backend="triton")
+    expected, magnitude = reference_blocksparse_backward(y, dy, layout, block, 0.5)
+    _, ratio = error_ratio(dx, expected, dtype, magnitude)
+    assert ratio <= 1, f"backward: {ratio:.3g} x the tolerance"
+
+
+def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():
+    from multisoft._blocksparse import lookup_table
+    from multisoft_triton import blocksparse
+
+    causal = torch.ones(2, 64, 64, dtype=torch.long).tril()         # block-rows of 1..64 blocks
+    launches = blocksparse._schedule(lookup_table(causal, 16, "cpu"))
+    assert [plan[1] for _, _, plan in launches] == [1, 2, 4, 8, 16, 32, 64]
+    assert sum(groups for _, groups, _ in launches) == 2 * 64
+    tables = torch.cat([table for table, _, _ in launches])
+    assert sorted(tables[:, 0].tolist()) == list(range(128))
+    assert (tables[:, 2] == tables[:, 0] % 64 + 1).all()
+    uniform = torch.ones(2, 64, 64, dtype=torch.long)
+    uniform[:, ::2, 24:] = 0       # 24 or 64 blocks: padding 24 to 32 would save 25 %, too little for two launches
+    uniform[1, 5] = 0                                                 # an empty block-row is not launched
+    (launch,) = blocksparse._schedule(lookup_table(uniform, 16, "cpu"))
+    assert launch[1] == 127 and 5 + 64 not in launch[0][:, 0].tolist()

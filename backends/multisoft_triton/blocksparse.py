@@ -1,49 +1,67 @@
 """Block-sparse softmax over the nonzero blocks (Z, nnz, B, B) of a layout.
 
-A program owns ROWS rows of one block-row of one batch entry and loads whole
-[ROWS, B] slabs of each of the block-row's blocks (contiguous in memory).
-When the block-row fits in registers (tile path) each element is read and
-written once; otherwise (loop path) the blocks are streamed twice, first for
-the row statistics, then for the output. Rows with no unmasked element give zeros.
+The rows of a block-row are its B rows of elements, each spread over the
+block-row's blocks. Block-rows are grouped into buckets by their number of
+blocks rounded up to a power of two (once per layout), and each bucket is one
+launch whose programs hold ROWS rows as a [BLOCKS, ROWS, B] slab: a program
+never pads a short row to the layout's longest one. ROWS may span several
+block-rows of the bucket. When a bucket's rows fit in registers (tile path)
+each element is read and written once; the longest rows (loop path) are
+streamed twice, first for the row statistics, then for the output. Rows with
+no unmasked element give zeros.
 """
+import weakref
+
+import torch
 import triton
 import triton.language as tl
 
 from .utils import next_power_of_2, on_device, warps_for
 
 TILE_MAX = 16384
-TILE_ELEMENTS = 8192
+TILE_ELEMENTS = 2048
 LOOP_ROWS = 16
+BUCKETS_SAVE = 0.3  # group the block-rows by length when that pads the slabs by this share less
 
 
 @triton.jit
-def _slab(offsets_ptr, columns_ptr, pid, groups, row_chunks, nnz, block_rows, first_block,
+def _rows(rows_ptr, rows, ROWS: tl.constexpr, B: tl.constexpr):
+    """This program's rows: block-row, its first block, its number of blocks, row within the block.
+
+    Row r of the launch is row r % B of the block-row described by rows_ptr[3 * (r // B):][:3] as
+    (block-row, first block, blocks); the launch has `rows` rows."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = r < rows
+    entry = rows_ptr + (r // B) * 3
+    group = tl.load(entry, mask=row_mask, other=0)
+    start = tl.load(entry + 1, mask=row_mask, other=0)
+    count = tl.load(entry + 2, mask=row_mask, other=0)
+    return group, start, count, r % B
+
+
+@triton.jit
+def _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first_block,
           BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
-    """Offsets, block mask and causal keep-mask of a [BLOCKS, ROWS, B] slab of this program's block-row."""
-    chunk = pid % row_chunks
-    rest = pid // row_chunks
-    group = rest % groups
-    z = rest // groups
-    start = tl.load(offsets_ptr + group).to(tl.int64)
-    count = tl.load(offsets_ptr + group + 1).to(tl.int64) - start
+    """Offsets, mask and causal keep-mask of this program's [BLOCKS, ROWS, B] slab, from block first_block."""
+    group, start, count, i = _rows(rows_ptr, rows, ROWS, B)
     k = first_block + tl.arange(0, BLOCKS)
-    block_mask = k < count
-    column = tl.load(columns_ptr + start + k, mask=block_mask, other=0)
-    i = (chunk * ROWS).to(tl.int32) + tl.arange(0, ROWS)
     j = tl.arange(0, B)
-    base = (z * nnz + start + k) * (B * B)
-    offsets = base[:, None, None] + (i * B)[:, None][None, :, :] + j[None, None, :]
-    mask = block_mask[:, None, None]
+    block_mask = k[:, None] < count[None, :]
+    z = tl.program_id(1).to(tl.int64)
+    base = (z * nnz + start[None, :] + k[:, None]) * (B * B) + (i * B)[None, :]
+    offsets = base[:, :, None] + j[None, None, :]
     # absolute column c*B + j <= absolute row r*B + i  <=>  j - i <= (r - c) * B
-    block_row = (group % block_rows).to(tl.int32)
-    causal_keep = (j[None, :] - i[:, None])[None, :, :] <= ((block_row - column) * B)[:, None, None]
-    return offsets, mask, causal_keep
+    column = tl.load(columns_ptr + start[None, :] + k[:, None], mask=block_mask, other=0)
+    reach = (group % block_rows)[None, :] - column
+    causal_keep = (j[None, None, :] - i[None, :, None]) <= (reach * B)[:, :, None]
+    return offsets, block_mask[:, :, None], causal_keep
 
 
 @triton.jit
-def _block_count(offsets_ptr, pid, groups, row_chunks):
-    group = (pid // row_chunks) % groups
-    return tl.load(offsets_ptr + group + 1) - tl.load(offsets_ptr + group)
+def _longest(rows_ptr, rows, ROWS: tl.constexpr, B: tl.constexpr):
+    """The most blocks of any of this program's rows."""
+    _, _, count, _ = _rows(rows_ptr, rows, ROWS, B)
+    return tl.max(count, axis=0)
 
 
 @triton.jit
@@ -55,11 +73,10 @@ def _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile_kernel(x_ptr, out_ptr, offsets_ptr, columns_ptr, groups, row_chunks, nnz, block_rows, scale,
+def _fwd_tile_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets, mask, causal_keep = _slab(offsets_ptr, columns_ptr, pid, groups, row_chunks, nnz, block_rows,
-                                       0, BLOCKS, ROWS, B)
+    offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, 0,
+                                          BLOCKS, ROWS, B)
     x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
     row_max = tl.max(tl.max(x, axis=2), axis=0)
     safe_max = tl.where(row_max == -float("inf"), 0.0, row_max)
@@ -71,15 +88,14 @@ def _fwd_tile_kernel(x_ptr, out_ptr, offsets_ptr, columns_ptr, groups, row_chunk
 
 
 @triton.jit
-def _fwd_loop_kernel(x_ptr, out_ptr, offsets_ptr, columns_ptr, groups, row_chunks, nnz, block_rows, scale,
+def _fwd_loop_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    count = _block_count(offsets_ptr, pid, groups, row_chunks)
+    count = _longest(rows_ptr, rows, ROWS, B)
     run_max = tl.full((ROWS,), -float("inf"), tl.float32)
     run_sum = tl.zeros((ROWS,), tl.float32)
     for first in range(0, count, BLOCKS):
-        offsets, mask, causal_keep = _slab(offsets_ptr, columns_ptr, pid, groups, row_chunks, nnz, block_rows,
-                                           first, BLOCKS, ROWS, B)
+        offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows,
+                                              first, BLOCKS, ROWS, B)
         x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
         new_max = tl.maximum(run_max, tl.max(tl.max(x, axis=2), axis=0))
         safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
@@ -89,19 +105,17 @@ def _fwd_loop_kernel(x_ptr, out_ptr, offsets_ptr, columns_ptr, groups, row_chunk
     safe_max = tl.where(run_max == -float("inf"), 0.0, run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
     for first in range(0, count, BLOCKS):
-        offsets, mask, causal_keep = _slab(offsets_ptr, columns_ptr, pid, groups, row_chunks, nnz, block_rows,
-                                           first, BLOCKS, ROWS, B)
+        offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows,
+                                              first, BLOCKS, ROWS, B)
         x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
         y = tl.exp(x - safe_max[None, :, None]) * inverse[None, :, None]
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, columns_ptr, groups, row_chunks, nnz, block_rows,
-                     scale, BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets, mask, _ = _slab(offsets_ptr, columns_ptr, pid, groups, row_chunks, nnz, block_rows,
-                             0, BLOCKS, ROWS, B)
+def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale,
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+    offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, 0, BLOCKS, ROWS, B)
     y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dot = tl.sum(tl.sum(y * dy, axis=2), axis=0)
@@ -110,47 +124,85 @@ def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, columns_ptr, groups, ro
 
 
 @triton.jit
-def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, columns_ptr, groups, row_chunks, nnz, block_rows,
-                     scale, BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    count = _block_count(offsets_ptr, pid, groups, row_chunks)
+def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale,
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+    count = _longest(rows_ptr, rows, ROWS, B)
     dot = tl.zeros((ROWS,), tl.float32)
     for first in range(0, count, BLOCKS):
-        offsets, mask, _ = _slab(offsets_ptr, columns_ptr, pid, groups, row_chunks, nnz, block_rows,
-                                 first, BLOCKS, ROWS, B)
+        offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first,
+                                    BLOCKS, ROWS, B)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dot += tl.sum(tl.sum(y * dy, axis=2), axis=0)
     for first in range(0, count, BLOCKS):
-        offsets, mask, _ = _slab(offsets_ptr, columns_ptr, pid, groups, row_chunks, nnz, block_rows,
-                                 first, BLOCKS, ROWS, B)
+        offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first,
+                                    BLOCKS, ROWS, B)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dx = scale * y * (dy - dot[None, :, None])
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _plan(lut):
-    """(tile?, blocks per slab, rows per program) for this layout's widest block-row."""
-    block = lut.block
-    widest = next_power_of_2(lut.max_blocks) * block
+def _plan(blocks, block):
+    """(tile?, blocks per slab, rows per program) for block-rows of up to `blocks` (a power of 2) blocks."""
+    widest = blocks * block
     if widest <= TILE_MAX:
-        rows = max(1, min(block, TILE_ELEMENTS // widest))
-        return True, next_power_of_2(lut.max_blocks), rows
+        return True, blocks, max(1, TILE_ELEMENTS // widest)
     rows = min(block, LOOP_ROWS)
     return False, max(1, TILE_ELEMENTS // (rows * block)), rows
 
 
+def _padded(counts, block):
+    """Slab elements read (per B x B) for block-rows of these block counts, all with one plan: the
+    loop path pads each row to a multiple of its slab and reads it twice."""
+    tile, blocks, _ = _plan(next_power_of_2(max(counts)), block)
+    return blocks * len(counts) if tile else 2 * sum(blocks * -(-count // blocks) for count in counts)
+
+
+# id(lut) -> [(block-row table, block-rows, plan), ...]; an entry leaves with its look-up table.
+_schedules = {}
+
+
+def _schedule(lut):
+    """The launches for this look-up table: (its block-rows' table on the device, block-rows, plan) each.
+
+    The table holds (block-row, first block, blocks) per block-row, read in one round trip by each
+    program. The non-empty block-rows, in memory order (DRAM pages in sequence), go in one launch, or in
+    one launch per power of two of their block count (all rows past the tile path's reach in one loop
+    launch) when that pads the slabs less by BUCKETS_SAVE."""
+    key = id(lut)
+    if key in _schedules:
+        return _schedules[key]
+    offsets = lut.offsets.tolist()
+    counts = [end - start for start, end in zip(offsets[:-1], offsets[1:])]
+    order = [group for group, count in enumerate(counts) if count > 0]
+    buckets = {}
+    for group in order:
+        tile, blocks, _ = _plan(next_power_of_2(counts[group]), lut.block)
+        buckets.setdefault(blocks if tile else 0, []).append(group)
+    single = _padded([counts[g] for g in order], lut.block) if order else 0
+    split = sum(_padded([counts[g] for g in groups], lut.block) for groups in buckets.values())
+    if split > (1 - BUCKETS_SAVE) * single:
+        buckets = {None: order} if order else {}
+    launches = []
+    for groups in buckets.values():
+        table = torch.tensor([(g, offsets[g], counts[g]) for g in groups], dtype=torch.int32,
+                             device=lut.offsets.device)
+        launches.append((table, len(groups), _plan(next_power_of_2(max(counts[g] for g in groups)), lut.block)))
+    _schedules[key] = launches
+    weakref.finalize(lut, _schedules.pop, key, None)
+    return launches
+
+
 def _launch(kernels, lut, tensors, scale, **constexprs):
-    tile, blocks, rows = _plan(lut)
-    kernel = kernels[0] if tile else kernels[1]
-    groups = lut.heads * lut.block_rows
-    row_chunks = lut.block // rows
-    grid = (tensors[0].shape[0] * groups * row_chunks,)
+    z = tensors[0].shape[0]
     with on_device(tensors[0]):
-        kernel[grid](*tensors, lut.offsets, lut.columns, groups, row_chunks, lut.nnz, lut.block_rows, float(scale),
-                     BLOCKS=blocks, ROWS=rows, B=lut.block, num_warps=warps_for(blocks * rows * lut.block),
-                     **constexprs)
+        for table, groups, (tile, blocks, rows) in _schedule(lut):
+            kernel = kernels[0] if tile else kernels[1]
+            grid = (triton.cdiv(groups * lut.block, rows), z)
+            kernel[grid](*tensors, table, lut.columns, groups * lut.block, lut.nnz, lut.block_rows, float(scale),
+                         BLOCKS=blocks, ROWS=rows, B=lut.block, num_warps=warps_for(blocks * rows * lut.block),
+                         **constexprs)
 
 
 def forward(x, out, lut, scale, is_causal):
