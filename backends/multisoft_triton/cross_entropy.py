@@ -9,7 +9,7 @@ A target outside [0, C) that is not ignore_index is never loaded; its loss is Na
 import triton
 import triton.language as tl
 
-from .utils import next_power_of_2, on_device, warps_for
+from .utils import next_power_of_2, on_device, online_max, warps_for
 
 TILE_MAX = 8192
 TILE_ELEMENTS = 8192
@@ -82,19 +82,17 @@ def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, C, i
     for start in range(0, C, BLOCK):
         mask = start + cols < C
         x = tl.load(logits_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max), axis=0)
-        run_max = new_max
+        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
+        run_sum += tl.sum(tl.exp(x - shift), axis=0)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
             else:
                 w = tl.where(mask, 1.0, 0.0)
-            shifted_sum += (ref - safe_max) * weight_seen
-            shifted_sum += tl.sum(tl.where(mask, w * (x - safe_max), 0.0), axis=0)
+            shifted_sum += (ref - shift) * weight_seen
+            shifted_sum += tl.sum(tl.where(mask, w * (x - shift), 0.0), axis=0)
             weight_seen += tl.sum(w, axis=0)
-            ref = safe_max
+            ref = shift
     lse = run_max + tl.log(run_sum)
     smooth = weight_seen * (lse - ref) - shifted_sum
     target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, row, row >= 0, C,

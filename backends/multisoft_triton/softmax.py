@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import interpreting, next_power_of_2, on_device, sm_count, warps_for
+from .utils import interpreting, next_power_of_2, on_device, online_max, sm_count, warps_for
 
 # The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
 # backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
@@ -55,10 +55,8 @@ def _fwd_loop_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
     for start in range(0, N, BLOCK):
         mask = start + cols < N
         x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(run_max, tl.max(x, axis=0))
-        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max), axis=0)
-        run_max = new_max
+        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
+        run_sum += tl.sum(tl.exp(x - shift), axis=0)
     log_sum = tl.log(run_sum)
     inverse = 1.0 / run_sum
     for start in range(0, N, BLOCK):
@@ -73,14 +71,17 @@ def _fwd_loop_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
 
 
 @triton.jit
-def _claim_chunk(count_ptr, chunks, TICKET: tl.constexpr):
-    """This program's (row, chunk): with TICKET taken in start order from a counter, so the
-    programs waiting on a row never keep that row's remaining chunks from starting."""
+def _claim_chunk(count_ptr, N, chunks, CHUNK: tl.constexpr, TICKET: tl.constexpr):
+    """This program's chunk: its row, its ticket (the chunk's index over all rows), offsets and mask.
+    With TICKET the ticket is taken in start order from a counter, so the programs waiting on a row
+    never keep that row's remaining chunks from starting."""
     if TICKET:
         ticket = tl.atomic_add(count_ptr, 1).to(tl.int64)
     else:
         ticket = tl.program_id(0).to(tl.int64)
-    return ticket // chunks, ticket % chunks, ticket
+    row = ticket // chunks
+    cols = (ticket % chunks) * CHUNK + tl.arange(0, CHUNK)
+    return row, ticket, row * N + cols, cols < N
 
 
 @triton.jit
@@ -97,10 +98,7 @@ def _wait_for_row(counter_ptr, chunks):
 def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
                       COUNTER_STRIDE: tl.constexpr):
-    row, chunk, ticket = _claim_chunk(count_ptr, chunks, TICKET)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < N
-    offsets = row * N + cols
+    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
     x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
     local_max = tl.max(x, axis=0)
     safe_max = tl.where(local_max == -float("inf"), 0.0, local_max)
@@ -165,10 +163,7 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK: tl.constexpr, LOG: tl.cons
 def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
                       COUNTER_STRIDE: tl.constexpr):
-    row, chunk, ticket = _claim_chunk(count_ptr, chunks, TICKET)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < N
-    offsets = row * N + cols
+    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
     y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if LOG:

@@ -5,6 +5,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 def on_device(tensor):
@@ -37,3 +38,12 @@ def next_power_of_2(n):
 def warps_for(elements):
     """num_warps giving each thread about 32 elements of a tile (4..32 warps)."""
     return max(4, min(32, elements // 1024))
+
+
+@triton.jit
+def online_max(run_max, run_sum, block_max):
+    """Fold a block's max into a running (max, sum of exp(x - max)): the new max, the shift for the
+    block's exponentials (0 while everything seen is -inf), and the running sum rescaled to that shift."""
+    new_max = tl.maximum(run_max, block_max)
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+    return new_max, shift, run_sum * tl.exp(run_max - shift)
