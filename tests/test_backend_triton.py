@@ -210,7 +210,7 @@ def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():
     assert sorted(tables[:, 0].tolist()) == list(range(128))
     assert (tables[:, 2] == tables[:, 0] % 64 + 1).all()
     uniform = torch.ones(2, 64, 64, dtype=torch.long)
-    uniform[:, ::2, 24:] = 0       # 24 or 64 blocks: padding 24 to 32 would save 25 %, too little for two launches
+    uniform[:, ::2, 24:] = 0   # 24 or 64 blocks: padding 24 to 32 saves 25 %, too little for two launches
     uniform[1, 5] = 0                                                 # an empty block-row is not launched
     (launch,) = blocksparse._schedule(lookup_table(uniform, 16, "cpu"))
     assert launch[1] == 127 and 5 + 64 not in launch[0][:, 0].tolist()

@@ -1,0 +1,145 @@
+"""Registers, occupancy and memory instructions of the Triton kernels, compiled for a GPU without one.
+
+Triton compiles for any NVIDIA target with the ptxas it ships; `cuobjdump` (shipped too) reads the
+registers and the machine code. This prints, for the kernel configurations the benchmark shapes
+take, the registers per thread, the programs one multiprocessor can hold (by registers and threads),
+and the global loads and stores by width: what bounds the bytes a multiprocessor has in flight.
+
+    python3 benchmarks/tune/triton_resources.py                  # every configuration, sm_90
+    python3 benchmarks/tune/triton_resources.py --only split --sass /tmp/sass   # and their SASS
+
+Run it without TRITON_INTERPRET (the interpreter replaces the kernels). The numbers are the local
+triton's; the GPU machine's may differ (say which triton printed them).
+"""
+import argparse
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+REGISTERS_PER_SM = 65536
+THREADS_PER_SM = 2048
+PROGRAMS_PER_SM = 32
+
+
+def configurations():
+    """(name, kernel, signature, constexprs, num_warps) for the paths of the benchmark shapes."""
+    from multisoft_triton import blocksparse, cross_entropy, softmax
+
+    found = []
+    for dtype in ("fp32", "bf16"):
+        size = 4 if dtype == "fp32" else 2
+        ptr = f"*{dtype}"
+        fwd = {"x_ptr": ptr, "out_ptr": ptr, "M": "i32", "N": "i32"}
+        bwd = {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "M": "i32", "N": "i32"}
+        for n in (1024, 4096, 32768):
+            rows = max(1, softmax.TILE_ELEMENTS[size] // n)
+            found.append((f"softmax-fwd-tile-{dtype}-{n}", softmax._fwd_tile_kernel, fwd,
+                          {"ROWS": rows, "BLOCK": n, "LOG": False}, softmax.warps_for(rows * n)))
+            if n <= softmax.BACKWARD_TILE_MAX[size]:
+                found.append((f"softmax-bwd-tile-{dtype}-{n}", softmax._bwd_tile_kernel, bwd,
+                              {"ROWS": rows, "BLOCK": n, "LOG": False}, softmax.warps_for(2 * rows * n)))
+        chunk, warps = softmax.SPLIT_CONFIGS[0]
+        split = {"CHUNK": chunk, "CHUNKS_P2": 64, "LOG": False, "TICKET": softmax.SPLIT_TICKET,
+                 "COUNTER_STRIDE": softmax.SPLIT_COUNTER_STRIDE}
+        stats = {"count_ptr": "*i32", "N": "i32", "chunks": "i32"}
+        found.append((f"softmax-fwd-split-{dtype}-{chunk}", softmax._fwd_split_kernel,
+                      {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
+                      split, warps))
+        found.append((f"softmax-bwd-split-{dtype}-{chunk}", softmax._bwd_split_kernel,
+                      {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "sum_ptr": "*fp32", **stats}, split, warps))
+        scalars = {"ignore_index": "i64", "keep": "fp32", "smooth_per_class": "fp32"}
+        found.append((f"cross_entropy-fwd-loop-{dtype}", cross_entropy._fwd_loop_kernel,
+                      {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "loss_ptr": "*fp32",
+                       "lse_ptr": "*fp32", "C": "i32", **scalars},
+                      {"BLOCK": cross_entropy.LOOP_BLOCK, "HAS_WEIGHT": False, "SMOOTH": False}, 8))
+        block = cross_entropy.BACKWARD_BLOCK
+        found.append((f"cross_entropy-bwd-{dtype}", cross_entropy._bwd_kernel,
+                      {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "weight_sum_ptr": "*fp32",
+                       "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_ptr": ptr, "M": "i32", "C": "i32",
+                       **scalars},
+                      {"ROWS": 1, "BLOCK": block, "HAS_WEIGHT": False, "SMOOTH": False},
+                      cross_entropy.warps_for(block)))
+        for block, blocks in ((16, 64), (64, 16)):
+            tile, slab, rows = blocksparse._plan(blocks, block)
+            table = {"rows_ptr": "*i32", "columns_ptr": "*i32", "rows": "i32", "nnz": "i32", "block_rows": "i32",
+                     "scale": "fp32"}
+            warps = blocksparse.warps_for(slab * rows * block)
+            found.append((f"blocksparse-fwd-b{block}x{blocks}-{dtype}", blocksparse._fwd_tile_kernel,
+                          {"x_ptr": ptr, "out_ptr": ptr, **table},
+                          {"BLOCKS": slab, "ROWS": rows, "B": block, "CAUSAL": False}, warps))
+            found.append((f"blocksparse-bwd-b{block}x{blocks}-{dtype}", blocksparse._bwd_tile_kernel,
+                          {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **table},
+                          {"BLOCKS": slab, "ROWS": rows, "B": block}, warps))
+    return found
+
+
+def compile_for(kernel, signature, constexprs, num_warps, arch):
+    """The cubin of `kernel` for sm_<arch>, pointers and M, N, C taken as multiples of 16 (as the launcher
+    specialises them on the GPU: without that no load is vectorised)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n in ("M", "N", "C")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    return compiled.asm["cubin"]
+
+
+def cuobjdump(*args):
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+def report(cubin, num_warps):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
+        handle.write(cubin)
+    try:
+        usage = cuobjdump("-res-usage", handle.name)
+        sass = cuobjdump("-sass", handle.name)
+    finally:
+        os.unlink(handle.name)
+    regs, local = (int(x) for x in re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage).groups())
+    threads = 32 * num_warps
+    by_registers = REGISTERS_PER_SM // (-(-regs // 8) * 8 * threads)
+    programs = min(by_registers, THREADS_PER_SM // threads, PROGRAMS_PER_SM)
+    memory = collections.Counter(re.findall(r"\b((?:LDG|STG|LDGSTS)\.E(?:\.\d+)?)", sass))
+    return regs, local, programs, memory, sass
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (default 90)")
+    parser.add_argument("--only", default="", help="names containing this")
+    parser.add_argument("--sass", default="", help="write each kernel's SASS into this folder")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter does not compile kernels", file=sys.stderr)
+        return 2
+    import triton
+
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    print(f"{'configuration':36} {'warps':>5} {'regs':>4} {'local':>5} {'programs/SM':>11}  global loads/stores")
+    for name, kernel, signature, constexprs, warps in configurations():
+        if args.only not in name:
+            continue
+        regs, local, programs, memory, sass = report(compile_for(kernel, signature, constexprs, warps, args.arch),
+                                                     warps)
+        accesses = " ".join(f"{op}:{count}" for op, count in sorted(memory.items()))
+        print(f"{name:36} {warps:5d} {regs:4d} {local:5d} {programs:11d}  {accesses}", flush=True)
+        if args.sass:
+            pathlib.Path(args.sass).mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(args.sass) / f"{name}.sass").write_text(sass)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
