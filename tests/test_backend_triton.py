@@ -171,7 +171,7 @@ def test_long_rows_split_path_special_rows(columns, dtype, log):
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, monkeypatch):
-    """Block-rows of 1..48 blocks (and empty ones) in launches by length, the longest on the loop path."""
+    """Block-rows of 1..47 blocks (and an empty one) in launches by length, the longest on the loop path."""
     import multisoft
     from multisoft._blocksparse import lookup_table
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
@@ -214,3 +214,18 @@ def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():
     uniform[1, 5] = 0                                                 # an empty block-row is not launched
     (launch,) = blocksparse._schedule(lookup_table(uniform, 16, "cpu"))
     assert launch[1] == 127 and 5 + 64 not in launch[0][:, 0].tolist()
+
+
+@needs_kernels
+def test_blocksparse_batch_split_over_launches(monkeypatch):
+    """Z beyond a grid axis: the batch is launched in parts (here parts of 2)."""
+    import multisoft
+    from multisoft.check import error_ratio, reference_blocksparse
+    from multisoft_triton import blocksparse
+
+    monkeypatch.setattr(blocksparse, "MAX_GRID_Z", 2)
+    layout = torch.ones(1, 3, 3, dtype=torch.long).tril()
+    x = torch.randn(5, int(layout.sum()), 16, 16, device=DEVICE)
+    y = multisoft.blocksparse_softmax(x, layout, 16, is_causal=True, backend="triton")
+    _, ratio = error_ratio(y, reference_blocksparse(x, layout, 16, 1.0, True), torch.float32)
+    assert ratio <= 1, f"forward: {ratio:.3g} x the tolerance"

@@ -1,14 +1,15 @@
 """Block-sparse softmax over the nonzero blocks (Z, nnz, B, B) of a layout.
 
 The rows of a block-row are its B rows of elements, each spread over the
-block-row's blocks. Block-rows are grouped into buckets by their number of
-blocks rounded up to a power of two (once per layout), and each bucket is one
-launch whose programs hold ROWS rows as a [BLOCKS, ROWS, B] slab: a program
-never pads a short row to the layout's longest one. ROWS may span several
-block-rows of the bucket. When a bucket's rows fit in registers (tile path)
-each element is read and written once; the longest rows (loop path) are
-streamed twice, first for the row statistics, then for the output. Rows with
-no unmasked element give zeros.
+block-row's blocks. A launch's programs hold ROWS rows each as a [BLOCKS, ROWS,
+B] slab, BLOCKS the power of two that covers the launch's longest block-row;
+ROWS may span several block-rows. When that pads the slabs enough less (a
+causal layout's block-rows run from one block to all), the block-rows are
+grouped by their block count's power of two, one launch per group, so that a
+short row is not padded to the layout's longest one (decided once per layout).
+When a launch's rows fit in registers (tile path) each element is read and
+written once; the longest rows (loop path) are streamed twice, first for the
+row statistics, then for the output. Rows with no unmasked element give zeros.
 """
 import weakref
 
@@ -22,6 +23,7 @@ TILE_MAX = 16384
 TILE_ELEMENTS = 2048
 LOOP_ROWS = 16
 BUCKETS_SAVE = 0.3  # group the block-rows by length when that pads the slabs by this share less
+MAX_GRID_Z = 65535  # a CUDA grid's second axis
 
 
 @triton.jit
@@ -192,14 +194,15 @@ def _schedule(lut):
 
 
 def _launch(kernels, lut, tensors, scale, **constexprs):
-    z = tensors[0].shape[0]
     with on_device(tensors[0]):
-        for table, groups, (tile, blocks, rows) in _schedule(lut):
-            kernel = kernels[0] if tile else kernels[1]
-            grid = (triton.cdiv(groups * lut.block, rows), z)
-            kernel[grid](*tensors, table, lut.columns, groups * lut.block, lut.nnz, lut.block_rows, float(scale),
-                         BLOCKS=blocks, ROWS=rows, B=lut.block, num_warps=warps_for(blocks * rows * lut.block),
-                         **constexprs)
+        for first in range(0, tensors[0].shape[0], MAX_GRID_Z):  # the grid's second axis holds Z
+            part = [t[first:first + MAX_GRID_Z] for t in tensors]
+            for table, groups, (tile, blocks, rows) in _schedule(lut):
+                kernel = kernels[0] if tile else kernels[1]
+                grid = (triton.cdiv(groups * lut.block, rows), part[0].shape[0])
+                kernel[grid](*part, table, lut.columns, groups * lut.block, lut.nnz, lut.block_rows, float(scale),
+                             BLOCKS=blocks, ROWS=rows, B=lut.block,
+                             num_warps=warps_for(blocks * rows * lut.block), **constexprs)
 
 
 def forward(x, out, lut, scale, is_causal):
