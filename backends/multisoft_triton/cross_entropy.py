@@ -15,7 +15,7 @@ TILE_MAX = 8192
 TILE_ELEMENTS = 8192
 LOOP_BLOCK = 16384  # columns a long row's forward program loads at once
 LOOP_WARPS = 8
-LOOP_STAGES = 1  # loads in flight per program (2+: pipelined through shared memory)
+LOOP_STAGES = None  # loads in flight per program (2+: pipelined through shared memory; None: triton decides)
 BACKWARD_BLOCK = 8192  # columns (and elements) of one backward program; 8192 measured best on the H200
 
 

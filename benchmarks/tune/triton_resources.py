@@ -55,7 +55,8 @@ def configurations():
         found.append((f"cross_entropy-fwd-loop-{dtype}", cross_entropy._fwd_loop_kernel,
                       {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "loss_ptr": "*fp32",
                        "lse_ptr": "*fp32", "C": "i32", **scalars},
-                      {"BLOCK": cross_entropy.LOOP_BLOCK, "HAS_WEIGHT": False, "SMOOTH": False}, 8))
+                      {"BLOCK": cross_entropy.LOOP_BLOCK, "STAGES": cross_entropy.LOOP_STAGES, "HAS_WEIGHT": False,
+                       "SMOOTH": False}, cross_entropy.LOOP_WARPS))
         block = cross_entropy.BACKWARD_BLOCK
         found.append((f"cross_entropy-bwd-{dtype}", cross_entropy._bwd_kernel,
                       {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "weight_sum_ptr": "*fp32",
