@@ -70,7 +70,6 @@ LOW_HALF = int32(0xFFFF)
 FP32, FP16, BF16 = 0, 1, 2   # element formats
 
 
-
 def word_layout(fmt, width):
     """(word dtype, words per vector) of `width`-element vectors: float32 words for FP32;
     16-bit elements go as int32 pairs (element 2i in the low half), or as int16 when a

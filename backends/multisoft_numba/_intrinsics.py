@@ -50,6 +50,10 @@ else:
 
     _I32 = ir.IntType(32)
     _I64 = ir.IntType(64)
+    _F32 = ir.FloatType()
+
+    def _asm(result, operands, text, constraints):
+        return ir.InlineAsm(ir.FunctionType(result, operands), text, constraints)
 
     def _vector_pointer(context, builder, array_type, array, index_type, index, words):
         """Pointer to words [index * words, ...) of a 1-D contiguous array, typed as a vector."""
@@ -123,17 +127,9 @@ else:
         adds a denormal range fix-up of three more instructions per element."""
         def codegen(context, builder, sig, args):
             value = context.cast(builder, args[0], sig.args[0], types.float32)
-            scaled = builder.fmul(value, ir.Constant(ir.FloatType(), _LOG2_E))
-            ex2 = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]),
-                               "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-            return builder.call(ex2, [scaled])
+            scaled = builder.fmul(value, ir.Constant(_F32, _LOG2_E))
+            return builder.call(_asm(_F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [scaled])
         return types.float32(v), codegen
-
-
-    def _asm(result, operands, text, constraints):
-        return ir.InlineAsm(ir.FunctionType(result, operands), text, constraints)
-
-    _F32 = ir.FloatType()
 
     @intrinsic
     def max_propagating_nan(typingctx, a, b):
