@@ -77,8 +77,7 @@ def _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL: tl.constexpr):
 @triton.jit
 def _fwd_tile_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
-    offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, 0,
-                                          BLOCKS, ROWS, B)
+    offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, 0, BLOCKS, ROWS, B)
     x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
     row_max = tl.max(tl.max(x, axis=2), axis=0)
     safe_max = tl.where(row_max == -float("inf"), 0.0, row_max)
@@ -96,16 +95,16 @@ def _fwd_loop_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_row
     run_max = tl.full((ROWS,), -float("inf"), tl.float32)
     run_sum = tl.zeros((ROWS,), tl.float32)
     for first in range(0, count, BLOCKS):
-        offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows,
-                                              first, BLOCKS, ROWS, B)
+        offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first,
+                                           BLOCKS, ROWS, B)
         x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
         run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(tl.max(x, axis=2), axis=0))
         run_sum += tl.sum(tl.sum(tl.exp(x - shift[None, :, None]), axis=2), axis=0)
     safe_max = tl.where(run_max == -float("inf"), 0.0, run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
     for first in range(0, count, BLOCKS):
-        offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows,
-                                              first, BLOCKS, ROWS, B)
+        offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first,
+                                           BLOCKS, ROWS, B)
         x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
         y = tl.exp(x - safe_max[None, :, None]) * inverse[None, :, None]
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -128,14 +127,12 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, bl
     count = _longest(rows_ptr, rows, ROWS, B)
     dot = tl.zeros((ROWS,), tl.float32)
     for first in range(0, count, BLOCKS):
-        offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first,
-                                    BLOCKS, ROWS, B)
+        offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first, BLOCKS, ROWS, B)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dot += tl.sum(tl.sum(y * dy, axis=2), axis=0)
     for first in range(0, count, BLOCKS):
-        offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first,
-                                    BLOCKS, ROWS, B)
+        offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first, BLOCKS, ROWS, B)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dx = scale * y * (dy - dot[None, :, None])
@@ -187,7 +184,8 @@ def _schedule(lut):
     for groups in buckets.values():
         table = torch.tensor([(g, offsets[g], counts[g]) for g in groups], dtype=torch.int32,
                              device=lut.offsets.device)
-        launches.append((table, len(groups), _plan(next_power_of_2(max(counts[g] for g in groups)), lut.block)))
+        longest = max(counts[g] for g in groups)
+        launches.append((table, len(groups), _plan(next_power_of_2(longest), lut.block)))
     _schedules[key] = launches
     weakref.finalize(lut, _schedules.pop, key, None)
     return launches
@@ -200,8 +198,8 @@ def _launch(kernels, lut, tensors, scale, **constexprs):
             for table, groups, (tile, blocks, rows) in _schedule(lut):
                 kernel = kernels[0] if tile else kernels[1]
                 grid = (triton.cdiv(groups * lut.block, rows), part[0].shape[0])
-                kernel[grid](*part, table, lut.columns, groups * lut.block, lut.nnz, lut.block_rows, float(scale),
-                             BLOCKS=blocks, ROWS=rows, B=lut.block,
+                kernel[grid](*part, table, lut.columns, groups * lut.block, lut.nnz, lut.block_rows,
+                             float(scale), BLOCKS=blocks, ROWS=rows, B=lut.block,
                              num_warps=warps_for(blocks * rows * lut.block), **constexprs)
 
 
