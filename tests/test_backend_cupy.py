@@ -7,6 +7,7 @@ references written here, so these tests do not depend on the front.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -131,6 +132,32 @@ def test_softmax_config_is_compiled_and_loops_little(direction, cc, elem):
         assert _catalog.softmax_kernel(direction, "float", cfg) in _catalog.expressions("softmax.cu", "float", cc)
 
 
+@pytest.mark.parametrize("elem", [4, 2])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("cc", [80, 90])
+def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, monkeypatch):
+    monkeypatch.setattr(_catalog, "STAGED_MIN_COLUMNS", {(direction, elem): 1000})
+    assert _catalog.staged_config(direction, 999, elem, cc, 227 * 1024) is None
+    assert _catalog.staged_config(direction, 1000, elem, 75, 227 * 1024) is None
+    expressions = _catalog.expressions("softmax.cu", "float", cc)
+    most = max(_catalog.STAGED_CLUSTERS) if cc >= 90 else 1
+    vec = 16 // elem
+    for cols in (1000, 1008, 65536, 131072, 262144 + 24, 1 << 20):
+        for max_shared in (32 * 1024, 99 * 1024, 227 * 1024):
+            cfg = _catalog.staged_config(direction, cols, elem, cc, max_shared)
+            if cfg is None:  # no slice small enough: the register kernels take the row
+                smallest = _catalog.StagedConfig(512, most, -(-cols // most // vec) * vec)
+                assert smallest.shared_bytes(direction, elem) > min(max_shared, _catalog.STAGED_BLOCK_BYTES)
+                continue
+            assert cfg.slice % vec == 0 and cfg.cluster * cfg.slice >= cols > (cfg.cluster - 1) * cfg.slice
+            assert cfg.shared_bytes(direction, elem) <= min(max_shared, _catalog.STAGED_BLOCK_BYTES)
+            assert cfg.cluster <= most and cfg.threads == _catalog.STAGED_BLOCK_THREADS[direction]
+            assert _catalog.staged_kernel(direction, "float", cfg) in expressions
+            for rows in (1, 7, 1024, 1 << 31):
+                grid = _catalog.staged_grid(rows, cfg)
+                assert grid % cfg.cluster == 0 and 0 < grid <= min(rows * cfg.cluster, _catalog.MAX_GRID)
+
+
 def test_expressions_cover_chosen_kernels():
     for cc in (80, 90):
         for rows, classes in ((1, 10), (64, 262144), (8192, 32000)):
@@ -161,15 +188,23 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     from multisoft_cupy import _module, blocksparse, cross_entropy, softmax
 
     calls = []
-    monkeypatch.setattr(_module, "launch", lambda t, src, expr, grid, block, args: calls.append((src, expr, args)))
+    monkeypatch.setattr(_module, "launch",
+                        lambda t, src, expr, grid, block, args, shared_mem=0: calls.append((src, expr, args)))
     for mod in (softmax, cross_entropy, blocksparse):
         monkeypatch.setattr(mod, "launch", _module.launch, raising=True)
     for mod in (softmax, cross_entropy):
         monkeypatch.setattr(mod, "device_info", lambda index: (90, 132))
         monkeypatch.setattr(mod, "device_index", lambda t: 0)
+    monkeypatch.setattr(softmax, "shared_memory", lambda index: 227 * 1024)
     x = torch.randn(4, 300)
     softmax.forward(x, torch.empty_like(x), True)
     softmax.backward(x, x, torch.empty_like(x), False)
+    monkeypatch.setattr(_catalog, "STAGED_MIN_COLUMNS", {("fwd", 4): 256, ("bwd", 4): 256})
+    for cluster in (1, 2):
+        monkeypatch.setattr(_catalog, "STAGED_CLUSTERS", (cluster,))
+        softmax.forward(x, torch.empty_like(x), True)
+        softmax.backward(x, x, torch.empty_like(x), False)
+    assert sum("staged" in expression for _, expression, _ in calls) == 4
     target = torch.zeros(4, dtype=torch.int64)
     w = torch.ones(300)
     cross_entropy.forward(x, target, w, torch.empty(4), torch.empty(4), -100, 0.1)
@@ -179,7 +214,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     xb = torch.randn(1, lut.nnz, 16, 16)
     blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
     blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
-    assert len(calls) == 6
+    assert len(calls) == 10
     for source, expression, args in calls:
         params = _kernel_parameters(source, expression.split("<")[0])
         assert len(params) == len(args), expression
@@ -216,6 +251,43 @@ def test_softmax_matches_float64(shape, dtype):
         y64, dy64 = y.double(), dy.double()
         ref_dx = dy64 - y64.exp() * dy64.sum(-1, keepdim=True) if log else y64 * (dy64 - (y64 * dy64).sum(-1, True))
         check(dx, ref_dx, dtype, f"backward log={log}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", _catalog.STAGED_THREADS)
+@pytest.mark.parametrize("cluster", _catalog.STAGED_CLUSTERS)
+def test_softmax_staged_rows_match_float64(cluster, threads, dtype, monkeypatch):
+    """Rows staged in shared memory: uneven and empty slices, clusters walking rows (a capped grid),
+    -inf entries, a row of -inf only (NaN, as torch), every direction and mode."""
+    softmax, _, _ = _kernels()
+    vec = 16 // dtype.itemsize
+    if cluster > 1 and torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("clusters need sm_90")
+    for (cols, slice_), max_grid in itertools.product(
+            ((vec * 3, vec), (vec * (8 * 40 + 1), vec * 41), (vec * 1000, vec * 1000 // cluster)),
+            (2 * cluster, 1 << 20)):
+        cfg = _catalog.StagedConfig(threads, cluster, slice_)
+        if cluster * slice_ < cols:
+            continue
+        monkeypatch.setattr(_catalog, "staged_config", lambda *args, cfg=cfg: cfg)
+        monkeypatch.setattr(_catalog, "MAX_GRID", max_grid)
+        x = torch.randn(5, cols, device=_device()).mul(4).to(dtype)
+        x[1, ::3] = float("-inf")
+        x[3] = float("-inf")
+        dy = torch.randn_like(x)
+        what = f"cols={cols} grid<={max_grid}"
+        for log in (False, True):
+            y = torch.empty_like(x)
+            softmax.forward(x, y, log)
+            ref = torch.log_softmax(x.double(), -1) if log else torch.softmax(x.double(), -1)
+            check(y, ref, dtype, f"forward log={log} {what}")
+            y = torch.where(ref.isnan(), 0.0, ref).to(dtype)
+            dx = torch.empty_like(x)
+            softmax.backward(y, dy, dx, log)
+            y64, dy64 = y.double(), dy.double()
+            ref_dx = dy64 - y64.exp() * dy64.sum(-1, True) if log else y64 * (dy64 - (y64 * dy64).sum(-1, True))
+            check(dx, ref_dx, dtype, f"backward log={log} {what}")
 
 
 @gpu

@@ -65,6 +65,29 @@ CE_FWD_RULES: tuple = ()
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 8), RowConfig(32, 4, 16))
 
 
+class StagedConfig(NamedTuple):
+    """A row staged in shared memory: THREADS per block, CLUSTER blocks per row, SLICE columns per block."""
+
+    threads: int
+    cluster: int
+    slice: int
+
+    def shared_bytes(self, direction: str, elem_size: int) -> int:
+        return _STAGED_TENSORS[direction] * self.slice * elem_size
+
+
+_STAGED_TENSORS = {"fwd": 1, "bwd": 2}  # x; y and dy
+STAGED_THREADS = (256, 512)
+STAGED_CLUSTERS = (1, 2, 4, 8)
+# Rows are staged from these column counts on, by (direction, element size); a missing key: never. Measured on
+# an H200 (benchmarks/results/tuning/cupy-staged-round*.txt): the float32 backward is faster in registers.
+STAGED_MIN_COLUMNS = {("fwd", 4): 65537, ("fwd", 2): 16385, ("bwd", 2): 65537}
+STAGED_BLOCK_THREADS = {"fwd": 512, "bwd": 256}
+# The most shared memory a block stages: three blocks per H200 multiprocessor. Longer slices (a float32 row of
+# 262144 in a cluster of 8: one block per multiprocessor) measured slower than the register kernels.
+STAGED_BLOCK_BYTES = 64 * 1024
+
+
 def _row_kernel(name: str, ctype: str, cfg: RowConfig, index_type: str | None = None) -> str:
     types = ctype if index_type is None else f"{ctype}, {index_type}"
     min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
@@ -75,6 +98,12 @@ def _row_kernel(name: str, ctype: str, cfg: RowConfig, index_type: str | None = 
 
 def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
     return _row_kernel(f"softmax_{direction}", ctype, cfg)
+
+
+def staged_kernel(direction: str, ctype: str, cfg: StagedConfig) -> str:
+    if cfg.cluster > 1:
+        return f"softmax_{direction}_staged_cluster<{ctype}, {cfg.threads}, {cfg.cluster}>"
+    return f"softmax_{direction}_staged<{ctype}, {cfg.threads}>"
 
 
 def ce_fwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
@@ -97,7 +126,10 @@ def _usable(configs, cc: int):
 def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
     """Every name expression of `source` for element type `ctype` on compute capability `cc` (e.g. 90)."""
     if source == "softmax.cu":
-        return tuple(softmax_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in _usable(SOFTMAX_CONFIGS, cc))
+        rows = [softmax_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in _usable(SOFTMAX_CONFIGS, cc)]
+        clusters = [c for c in STAGED_CLUSTERS if c == 1 or cc >= CLUSTER_MIN_CC]
+        return tuple(rows + [staged_kernel(d, ctype, StagedConfig(t, c, 0))
+                             for d in ("fwd", "bwd") for t in STAGED_THREADS for c in clusters])
     if source == "cross_entropy.cu":
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
         return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
@@ -154,6 +186,31 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
     ordered = sorted((c for c in usable if c.vpt <= budget),
                      key=lambda c: (c.capacity(elem_size), c.cluster, -c.tpr))
     return _smallest_fitting(ordered, columns, elem_size)
+
+
+def staged_config(direction: str, columns: int, elem_size: int, cc: int, max_shared: int) -> StagedConfig | None:
+    """Staging in shared memory for rows from STAGED_MIN_COLUMNS on (sm_80+, clusters sm_90+): the fewest blocks
+    per row whose slices take at most STAGED_BLOCK_BYTES (and `max_shared`) each; None when none does."""
+    low = STAGED_MIN_COLUMNS.get((direction, elem_size))
+    if low is None or columns < low or cc < 80:
+        return None
+    vec = 16 // elem_size
+    for cluster in STAGED_CLUSTERS:
+        if cluster > 1 and cc < CLUSTER_MIN_CC:
+            break
+        per_block = -(-columns // cluster)
+        cfg = StagedConfig(STAGED_BLOCK_THREADS[direction], cluster, -(-per_block // vec) * vec)
+        if cfg.shared_bytes(direction, elem_size) <= min(STAGED_BLOCK_BYTES, max_shared):
+            return cfg
+    return None
+
+
+def staged_grid(rows: int, cfg: StagedConfig) -> int:
+    """Blocks for a staged launch: a cluster per row, within the grid limit (clusters then walk rows).
+    Measured slower on an H200: persistent clusters (as many as fit, each walking its share of the rows;
+    clusters that did not fit ran after the others), and two buffers per block copying the next row while
+    working on the current one (fewer blocks per multiprocessor)."""
+    return min(rows, MAX_GRID // cfg.cluster) * cfg.cluster
 
 
 def ce_fwd_config(rows: int, classes: int, elem_size: int, cc: int, sm_count: int) -> RowConfig:

@@ -26,6 +26,8 @@ _lock = threading.Lock()
 _modules: dict[tuple[int, str, str, str], cupy.RawModule] = {}
 _sources: dict[str, str] = {}
 _device_info: dict[int, tuple[int, int]] = {}
+_shared_memory: dict[int, int] = {}
+_shared_set: dict[tuple[int, str, str], int] = {}
 _streams: dict[tuple[int, int], object] = {}
 
 
@@ -33,6 +35,7 @@ def clear_cache() -> None:
     """Forget every compiled module (the benchmark uses this to time a first call)."""
     with _lock:
         _modules.clear()
+        _shared_set.clear()
         _sources.clear()
 
 
@@ -66,6 +69,15 @@ def device_info(index: int) -> tuple[int, int]:
     return _device_info[index]
 
 
+def shared_memory(index: int) -> int:
+    """Dynamic shared memory one block may opt in to on device `index`, in bytes, less 1.25 KB for the
+    kernels' static shared memory."""
+    if index not in _shared_memory:
+        props = torch.cuda.get_device_properties(index)
+        _shared_memory[index] = getattr(props, "shared_memory_per_block_optin", 48 * 1024) - 1280
+    return _shared_memory[index]
+
+
 def kernel(index: int, source: str, element: str, expression: str):
     key = (index, source, element, expression)
     module = _modules.get(key)
@@ -94,12 +106,18 @@ def _stream(index: int):
     return stream
 
 
-def launch(tensor: torch.Tensor, source: str, expression: str, grid: tuple, block: tuple, args: tuple) -> None:
-    """Runs `expression` of `source` on `tensor`'s device, on torch's current stream there."""
+def launch(tensor: torch.Tensor, source: str, expression: str, grid: tuple, block: tuple, args: tuple,
+           shared_mem: int = 0) -> None:
+    """Runs `expression` of `source` on `tensor`'s device, on torch's current stream there, with `shared_mem`
+    bytes of dynamic shared memory per block."""
     index = device_index(tensor)
     fn = kernel(index, source, ctype(tensor.dtype), expression)
     with cupy.cuda.Device(index), _stream(index):
-        fn(grid, block, args)
+        key = (index, ctype(tensor.dtype), expression)
+        if shared_mem > 48 * 1024 and _shared_set.get(key, 0) < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem  # beyond 48 KB needs the opt-in
+            _shared_set[key] = shared_mem
+        fn(grid, block, args, shared_mem=shared_mem)
 
 
 def ptr(tensor: torch.Tensor | None) -> numpy.uint64:

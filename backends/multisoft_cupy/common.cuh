@@ -211,6 +211,15 @@ __device__ __forceinline__ Stats warp_reduce(Stats v) {
     return v;
 }
 
+// ---- asynchronous copies into shared memory (sm_80+) ----
+// A 16-byte global -> shared copy that holds no register while in flight.
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+    u32 addr = (u32)__cvta_generic_to_shared(shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(addr), "l"(global) : "memory");
+}
+// Waits for this thread's copies (other threads' copies need a barrier as well).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // ---- thread-block clusters (sm_90+) through PTX ----
 __device__ __forceinline__ u32 cluster_rank() {
 #if __CUDA_ARCH__ >= 900

@@ -142,3 +142,155 @@ MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) softmax_bwd_cluster(const T* y, cons
     softmax_bwd_rows<T, TPR, 1, VPT, CLUSTER>(y, dy, dx, M, N, log_mode, vec_ok);
 }
 #endif
+
+// ---------------------------------------------------------------------------
+// Rows staged in shared memory. Each block copies its slice of a row (with
+// CLUSTER > 1, one of the cluster's consecutive slices) into shared memory with
+// cp.async and works on it there, so the bytes a multiprocessor has in flight
+// are bounded by its shared memory (up to 227 KB) rather than by registers,
+// which hold 16-bit data as floats. The cluster combines its statistics
+// through distributed shared memory. A thread reads back only the vectors it
+// copied, so the copies need no barrier. Needs N % VEC == 0, 16-byte aligned
+// rows and a `slice` that is a multiple of VEC; dynamic shared memory: staged
+// tensors x slice elements.
+// ---------------------------------------------------------------------------
+template <typename T>
+struct Staged {
+    using V = Tile<T, 1, 1>;  // one 16-byte vector
+    static constexpr int VEC = V::VEC;
+    __device__ static __forceinline__ typename V::Regs regs(const uint4& q) {
+        typename V::Regs r;
+        r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
+        return r;
+    }
+    __device__ static __forceinline__ uint4 pack(const float (&f)[VEC]) {
+        typename V::Regs r;
+        V::set_all(r, f);
+        return make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+    }
+    // Vectors of this block's slice of a row: begin = rank * slice.
+    __device__ static __forceinline__ int vectors(i64 begin, i64 N, i64 slice) {
+        return begin < N ? (int)(min(N - begin, slice) / VEC) : 0;
+    }
+};
+
+// Copies this thread's vectors of the slice of `row` of each tensor into `buf` (tensor t at t * stride) and
+// waits for them.
+template <typename T, int THREADS, int TENSORS>
+__device__ __forceinline__ void stage_row(uint4* buf, int stride, const T* const (&src)[TENSORS], i64 row, i64 N,
+                                          i64 begin, int vectors) {
+    for (int i = threadIdx.x; i < vectors; i += THREADS) {
+#pragma unroll
+        for (int t = 0; t < TENSORS; ++t)
+            cp_async16(buf + t * stride + i, reinterpret_cast<const uint4*>(src[t] + row * N + begin) + i);
+    }
+    cp_async_wait_all();
+}
+
+template <typename T, int THREADS, int CLUSTER>
+__device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 M, i64 N, i64 slice,
+                                                        int log_mode) {
+    using S = Staged<T>;
+    extern __shared__ uint4 stage[];
+    const int stride = (int)(slice / S::VEC);
+    const i64 begin = (CLUSTER > 1 ? (i64)cluster_rank() : 0) * slice;
+    const int vectors = S::vectors(begin, N, slice);
+    const T* const src[1] = {x};
+    for (i64 row = blockIdx.x / CLUSTER; row < M; row += gridDim.x / CLUSTER) {
+        stage_row<T, THREADS, 1>(stage, stride, src, row, N, begin, vectors);
+        const uint4* xs = stage;
+        float m = -MS_INF;
+        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+            const auto r = S::regs(xs[i]);
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) m = fmaxf(m, S::V::get(r, e));
+        }
+        Stats st = stats_empty();
+        st.m = m;
+        if (m != -MS_INF) {
+            float s = 0.f;
+            for (int i = threadIdx.x; i < vectors; i += THREADS) {
+                const auto r = S::regs(xs[i]);
+#pragma unroll
+                for (int e = 0; e < S::VEC; ++e) s += exp_diff(S::V::get(r, e), m);
+            }
+            st.s = s;
+        }
+        st = row_reduce<THREADS, CLUSTER>(st);
+        const float inv_sum = 1.f / st.s, log_sum = logf(st.s);
+        uint4* dst = reinterpret_cast<uint4*>(out + row * N + begin);
+        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+            const auto r = S::regs(xs[i]);
+            float f[S::VEC];
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) {
+                const float in = S::V::get(r, e);
+                f[e] = log_mode ? (in - st.m) - log_sum : exp_diff(in, st.m) * inv_sum;
+            }
+            dst[i] = S::pack(f);
+        }
+    }
+}
+
+// Stages y and dy.
+template <typename T, int THREADS, int CLUSTER>
+__device__ __forceinline__ void softmax_bwd_staged_rows(const T* y, const T* dy, T* dx, i64 M, i64 N, i64 slice,
+                                                        int log_mode) {
+    using S = Staged<T>;
+    extern __shared__ uint4 stage[];
+    const int stride = (int)(slice / S::VEC);
+    const i64 begin = (CLUSTER > 1 ? (i64)cluster_rank() : 0) * slice;
+    const int vectors = S::vectors(begin, N, slice);
+    const T* const src[2] = {y, dy};
+    for (i64 row = blockIdx.x / CLUSTER; row < M; row += gridDim.x / CLUSTER) {
+        stage_row<T, THREADS, 2>(stage, stride, src, row, N, begin, vectors);
+        const uint4* ys = stage;
+        const uint4* ds = stage + stride;
+        float acc = 0.f;
+        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+            const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) acc += log_mode ? S::V::get(rd, e) : S::V::get(ry, e) * S::V::get(rd, e);
+        }
+        Stats st = stats_empty();
+        st.a = acc;
+        const float dot = row_reduce<THREADS, CLUSTER>(st).a;
+        uint4* dst = reinterpret_cast<uint4*>(dx + row * N + begin);
+        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+            const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
+            float f[S::VEC];
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) {
+                const float fy = S::V::get(ry, e), fd = S::V::get(rd, e);
+                f[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
+            }
+            dst[i] = S::pack(f);
+        }
+    }
+}
+
+template <typename T, int THREADS>
+MS_ROW_KERNEL_MIN(THREADS, 1) softmax_fwd_staged(const T* x, T* out, i64 M, i64 N, i64 slice,
+                                                 int log_mode) {
+    softmax_fwd_staged_rows<T, THREADS, 1>(x, out, M, N, slice, log_mode);
+}
+
+template <typename T, int THREADS>
+MS_ROW_KERNEL_MIN(THREADS, 1) softmax_bwd_staged(const T* y, const T* dy, T* dx, i64 M, i64 N, i64 slice,
+                                                 int log_mode) {
+    softmax_bwd_staged_rows<T, THREADS, 1>(y, dy, dx, M, N, slice, log_mode);
+}
+
+#if __CUDA_ARCH__ >= 900
+template <typename T, int THREADS, int CLUSTER>
+MS_CLUSTER_KERNEL(THREADS, CLUSTER, 1) softmax_fwd_staged_cluster(const T* x, T* out, i64 M, i64 N, i64 slice,
+                                                                  int log_mode) {
+    softmax_fwd_staged_rows<T, THREADS, CLUSTER>(x, out, M, N, slice, log_mode);
+}
+
+template <typename T, int THREADS, int CLUSTER>
+MS_CLUSTER_KERNEL(THREADS, CLUSTER, 1) softmax_bwd_staged_cluster(const T* y, const T* dy, T* dx, i64 M, i64 N,
+                                                                  i64 slice, int log_mode) {
+    softmax_bwd_staged_rows<T, THREADS, CLUSTER>(y, dy, dx, M, N, slice, log_mode);
+}
+#endif

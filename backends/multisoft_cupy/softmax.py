@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _catalog
-from ._module import aligned, ctype, device_index, device_info, i32, i64, launch, ptr
+from ._module import aligned, ctype, device_index, device_info, i32, i64, launch, ptr, shared_memory
 
 SOURCE = "softmax.cu"
 
@@ -13,9 +13,17 @@ SOURCE = "softmax.cu"
 def _run(direction: str, tensors: list[torch.Tensor], out: torch.Tensor, log: bool) -> None:
     rows, cols = out.shape
     elem = out.element_size()
-    cc, _ = device_info(device_index(out))
-    cfg = _catalog.softmax_config(direction, cols, elem, cc)
+    index = device_index(out)
+    cc, _ = device_info(index)
     vec = cols % (16 // elem) == 0 and aligned(*tensors, out)
+    staged = _catalog.staged_config(direction, cols, elem, cc, shared_memory(index)) if vec else None
+    if staged is not None:
+        args = (*(ptr(t) for t in tensors), ptr(out), i64(rows), i64(cols), i64(staged.slice), i32(log))
+        grid = _catalog.staged_grid(rows, staged)
+        launch(out, SOURCE, _catalog.staged_kernel(direction, ctype(out.dtype), staged), (grid, 1, 1),
+               (staged.threads, 1, 1), args, shared_mem=staged.shared_bytes(direction, elem))
+        return
+    cfg = _catalog.softmax_config(direction, cols, elem, cc)
     args = (*(ptr(t) for t in tensors), ptr(out), i64(rows), i64(cols), i32(log), i32(vec))
     launch(out, SOURCE, _catalog.softmax_kernel(direction, ctype(out.dtype), cfg),
            (_catalog.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
