@@ -137,6 +137,7 @@ def test_softmax_config_is_compiled_and_loops_little(direction, cc, elem):
 @pytest.mark.parametrize("cc", [80, 90])
 def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, monkeypatch):
     monkeypatch.setattr(_catalog, "STAGED_MIN_COLUMNS", {(direction, elem): 1000})
+    monkeypatch.setattr(_catalog, "STAGED_WARP_COLUMNS", {})
     assert _catalog.staged_config(direction, 999, elem, cc, 227 * 1024) is None
     assert _catalog.staged_config(direction, 1000, elem, 75, 227 * 1024) is None
     expressions = _catalog.expressions("softmax.cu", "float", cc)
@@ -146,16 +147,34 @@ def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, m
         for max_shared in (32 * 1024, 99 * 1024, 227 * 1024):
             cfg = _catalog.staged_config(direction, cols, elem, cc, max_shared)
             if cfg is None:  # no slice small enough: the register kernels take the row
-                smallest = _catalog.StagedConfig(512, most, -(-cols // most // vec) * vec)
+                smallest = _catalog.StagedConfig(512, 1, most, -(-cols // most // vec) * vec)
                 assert smallest.shared_bytes(direction, elem) > min(max_shared, _catalog.STAGED_BLOCK_BYTES)
                 continue
             assert cfg.slice % vec == 0 and cfg.cluster * cfg.slice >= cols > (cfg.cluster - 1) * cfg.slice
             assert cfg.shared_bytes(direction, elem) <= min(max_shared, _catalog.STAGED_BLOCK_BYTES)
-            assert cfg.cluster <= most and cfg.threads == _catalog.STAGED_BLOCK_THREADS[direction]
+            assert cfg.cluster <= most and cfg.threads == _catalog.STAGED_BLOCK_THREADS[direction] and cfg.rows == 1
             assert _catalog.staged_kernel(direction, "float", cfg) in expressions
             for rows in (1, 7, 1024, 1 << 31):
                 grid = _catalog.staged_grid(rows, cfg)
                 assert grid % cfg.cluster == 0 and 0 < grid <= min(rows * cfg.cluster, _catalog.MAX_GRID)
+
+
+@pytest.mark.parametrize("elem", [4, 2])
+def test_staged_warps_take_their_column_range(elem, monkeypatch):
+    monkeypatch.setattr(_catalog, "STAGED_WARP_COLUMNS", {("fwd", elem): (512, 2048)})
+    monkeypatch.setattr(_catalog, "STAGED_MIN_COLUMNS", {("fwd", elem): 8192})
+    assert _catalog.staged_config("fwd", 512, elem, 90, 227 * 1024) is None
+    assert _catalog.staged_config("bwd", 1024, elem, 90, 227 * 1024) is None
+    expressions = _catalog.expressions("softmax.cu", "bf16_t", 80)
+    for cols in (513, 1024, 2048):
+        cfg = _catalog.staged_config("fwd", cols, elem, 80, 227 * 1024)
+        assert (cfg.tpr, cfg.rows, cfg.cluster) == (32, _catalog.STAGED_WARP_ROWS, 1) and cfg.slice >= cols
+        assert _catalog.staged_kernel("fwd", "bf16_t", cfg) in expressions
+        assert _catalog.staged_grid(100, cfg) == -(-100 // cfg.rows)
+    assert _catalog.staged_config("fwd", 2049, elem, 90, 227 * 1024) is None
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_BYTES", _catalog.STAGED_WARP_ROWS * 2048 * elem - 1)  # too large
+    assert _catalog.staged_config("fwd", 2048, elem, 90, 227 * 1024) is None
+    assert _catalog.staged_config("fwd", 8192, elem, 90, 227 * 1024).tpr > 32
 
 
 def test_expressions_cover_chosen_kernels():
@@ -255,24 +274,26 @@ def test_softmax_matches_float64(shape, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads", _catalog.STAGED_THREADS)
+@pytest.mark.parametrize("group", _catalog.STAGED_BLOCKS + _catalog.STAGED_WARPS, ids=str)
 @pytest.mark.parametrize("cluster", _catalog.STAGED_CLUSTERS)
-def test_softmax_staged_rows_match_float64(cluster, threads, dtype, monkeypatch):
-    """Rows staged in shared memory: uneven and empty slices, clusters walking rows (a capped grid),
-    -inf entries, a row of -inf only (NaN, as torch), every direction and mode."""
+def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
+    """Rows staged in shared memory: uneven and empty slices, blocks and clusters walking rows (a grid of one
+    block or cluster), -inf entries, a row of -inf only (NaN, as torch), every direction and mode."""
     softmax, _, _ = _kernels()
     vec = 16 // dtype.itemsize
+    tpr, rows = group
+    if cluster > 1 and tpr <= 32:
+        pytest.skip("a warp per row takes no cluster")
     if cluster > 1 and torch.cuda.get_device_capability(0) < (9, 0):
         pytest.skip("clusters need sm_90")
-    for (cols, slice_), max_grid in itertools.product(
-            ((vec * 3, vec), (vec * (8 * 40 + 1), vec * 41), (vec * 1000, vec * 1000 // cluster)),
-            (2 * cluster, 1 << 20)):
-        cfg = _catalog.StagedConfig(threads, cluster, slice_)
-        if cluster * slice_ < cols:
+    cases = ((vec * 3, vec), (vec * (8 * 40 + 1), vec * 41), (vec * 1000, vec * 1000 // cluster), (vec * 37, vec * 37))
+    for (cols, slice_), max_grid in itertools.product(cases, (cluster, 1 << 20)):
+        cfg = _catalog.StagedConfig(tpr, rows, cluster, slice_)
+        if cluster * slice_ < cols or cfg.shared_bytes("bwd", dtype.itemsize) > 160 * 1024:
             continue
         monkeypatch.setattr(_catalog, "staged_config", lambda *args, cfg=cfg: cfg)
         monkeypatch.setattr(_catalog, "MAX_GRID", max_grid)
-        x = torch.randn(5, cols, device=_device()).mul(4).to(dtype)
+        x = torch.randn(11, cols, device=_device()).mul(4).to(dtype)
         x[1, ::3] = float("-inf")
         x[3] = float("-inf")
         dy = torch.randn_like(x)

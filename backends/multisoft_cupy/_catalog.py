@@ -66,23 +66,37 @@ BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4
 
 
 class StagedConfig(NamedTuple):
-    """A row staged in shared memory: THREADS per block, CLUSTER blocks per row, SLICE columns per block."""
+    """Rows staged in shared memory: TPR threads per row (a block, or a warp of ROWS per block), CLUSTER blocks
+    per row (TPR > 32 only), SLICE columns per row group."""
 
-    threads: int
+    tpr: int
+    rows: int
     cluster: int
     slice: int
 
+    @property
+    def threads(self) -> int:
+        return self.tpr * self.rows
+
     def shared_bytes(self, direction: str, elem_size: int) -> int:
-        return _STAGED_TENSORS[direction] * self.slice * elem_size
+        return self.rows * _STAGED_TENSORS[direction] * self.slice * elem_size
 
 
 _STAGED_TENSORS = {"fwd": 1, "bwd": 2}  # x; y and dy
-STAGED_THREADS = (256, 512)
+STAGED_BLOCKS = ((256, 1), (512, 1))  # (TPR, ROWS) of a block per row, also in clusters
+STAGED_WARPS = ((32, 4), (32, 8))  # (TPR, ROWS) of a warp per row
 STAGED_CLUSTERS = (1, 2, 4, 8)
-# Rows are staged from these column counts on, by (direction, element size); a missing key: never. Measured on
-# an H200 (benchmarks/results/tuning/cupy-staged-round*.txt): the float32 backward is faster in registers.
+# A block (or cluster) per row from these column counts on, by (direction, element size); a missing key: never.
+# Measured on an H200 (benchmarks/results/tuning/cupy-staged-round*.txt): the float32 backward is faster in
+# registers.
 STAGED_MIN_COLUMNS = {("fwd", 4): 65537, ("fwd", 2): 16385, ("bwd", 2): 65537}
 STAGED_BLOCK_THREADS = {"fwd": 512, "bwd": 256}
+# A warp per row, STAGED_WARP_ROWS rows per block, for low < columns <= high, by (direction, element size):
+# where it measured faster than the register kernels on an H200 (cupy-staged-warps-round1.txt; e.g. the bf16
+# forward of 4096 columns 0.76 -> 0.90 of copy, the float32 backward of 1024 columns 0.88 -> 0.96).
+STAGED_WARP_COLUMNS = {("fwd", 4): (512, 1024), ("bwd", 4): (512, 1024), ("fwd", 2): (2048, 8192),
+                       ("bwd", 2): (512, 1024)}
+STAGED_WARP_ROWS = 4
 # The most shared memory a block stages: three blocks per H200 multiprocessor. Longer slices (a float32 row of
 # 262144 in a cluster of 8: one block per multiprocessor) measured slower than the register kernels.
 STAGED_BLOCK_BYTES = 64 * 1024
@@ -102,8 +116,8 @@ def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
 
 def staged_kernel(direction: str, ctype: str, cfg: StagedConfig) -> str:
     if cfg.cluster > 1:
-        return f"softmax_{direction}_staged_cluster<{ctype}, {cfg.threads}, {cfg.cluster}>"
-    return f"softmax_{direction}_staged<{ctype}, {cfg.threads}>"
+        return f"softmax_{direction}_staged_cluster<{ctype}, {cfg.tpr}, {cfg.cluster}>"
+    return f"softmax_{direction}_staged<{ctype}, {cfg.tpr}, {cfg.rows}>"
 
 
 def ce_fwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
@@ -128,8 +142,9 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
     if source == "softmax.cu":
         rows = [softmax_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in _usable(SOFTMAX_CONFIGS, cc)]
         clusters = [c for c in STAGED_CLUSTERS if c == 1 or cc >= CLUSTER_MIN_CC]
-        return tuple(rows + [staged_kernel(d, ctype, StagedConfig(t, c, 0))
-                             for d in ("fwd", "bwd") for t in STAGED_THREADS for c in clusters])
+        staged = [StagedConfig(t, r, c, 0) for t, r in STAGED_BLOCKS for c in clusters]
+        staged += [StagedConfig(t, r, 1, 0) for t, r in STAGED_WARPS]
+        return tuple(rows + [staged_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in staged])
     if source == "cross_entropy.cu":
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
         return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
@@ -189,28 +204,36 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
 
 
 def staged_config(direction: str, columns: int, elem_size: int, cc: int, max_shared: int) -> StagedConfig | None:
-    """Staging in shared memory for rows from STAGED_MIN_COLUMNS on (sm_80+, clusters sm_90+): the fewest blocks
-    per row whose slices take at most STAGED_BLOCK_BYTES (and `max_shared`) each; None when none does."""
-    low = STAGED_MIN_COLUMNS.get((direction, elem_size))
-    if low is None or columns < low or cc < 80:
+    """Staging in shared memory (sm_80+, clusters sm_90+): a warp per row inside a STAGED_WARP_COLUMNS range, a
+    block per row from STAGED_MIN_COLUMNS on, split over the fewest blocks of a cluster whose slices take at
+    most STAGED_BLOCK_BYTES (and `max_shared`) per block; None when neither applies."""
+    if cc < 80:
         return None
+    key = (direction, elem_size)
     vec = 16 // elem_size
+    limit = min(STAGED_BLOCK_BYTES, max_shared)
+    low, high = STAGED_WARP_COLUMNS.get(key, (0, 0))
+    if low < columns <= high:
+        cfg = StagedConfig(32, STAGED_WARP_ROWS, 1, -(-columns // vec) * vec)
+        return cfg if cfg.shared_bytes(direction, elem_size) <= limit else None
+    if key not in STAGED_MIN_COLUMNS or columns < STAGED_MIN_COLUMNS[key]:
+        return None
     for cluster in STAGED_CLUSTERS:
         if cluster > 1 and cc < CLUSTER_MIN_CC:
             break
         per_block = -(-columns // cluster)
-        cfg = StagedConfig(STAGED_BLOCK_THREADS[direction], cluster, -(-per_block // vec) * vec)
-        if cfg.shared_bytes(direction, elem_size) <= min(STAGED_BLOCK_BYTES, max_shared):
+        cfg = StagedConfig(STAGED_BLOCK_THREADS[direction], 1, cluster, -(-per_block // vec) * vec)
+        if cfg.shared_bytes(direction, elem_size) <= limit:
             return cfg
     return None
 
 
 def staged_grid(rows: int, cfg: StagedConfig) -> int:
-    """Blocks for a staged launch: a cluster per row, within the grid limit (clusters then walk rows).
+    """Blocks for a staged launch: a cluster (or block) per row group, within the grid limit (then they walk rows).
     Measured slower on an H200: persistent clusters (as many as fit, each walking its share of the rows;
     clusters that did not fit ran after the others), and two buffers per block copying the next row while
     working on the current one (fewer blocks per multiprocessor)."""
-    return min(rows, MAX_GRID // cfg.cluster) * cfg.cluster
+    return min(-(-rows // cfg.rows), MAX_GRID // cfg.cluster) * cfg.cluster
 
 
 def ce_fwd_config(rows: int, classes: int, elem_size: int, cc: int, sm_count: int) -> RowConfig:

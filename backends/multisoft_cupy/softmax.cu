@@ -150,9 +150,11 @@ MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) softmax_bwd_cluster(const T* y, cons
 // are bounded by its shared memory (up to 227 KB) rather than by registers,
 // which hold 16-bit data as floats. The cluster combines its statistics
 // through distributed shared memory. A thread reads back only the vectors it
-// copied, so the copies need no barrier. Needs N % VEC == 0, 16-byte aligned
-// rows and a `slice` that is a multiple of VEC; dynamic shared memory: staged
-// tensors x slice elements.
+// copied, so the copies need no barrier. A row group of TPR threads works on
+// a row: a block (TPR > 32: ROWS = 1, and with CLUSTER > 1 the cluster) or a
+// warp (TPR = 32: ROWS rows per block). Needs N % VEC == 0, 16-byte aligned
+// rows and a `slice` that is a multiple of VEC; dynamic shared memory:
+// ROWS x staged tensors x slice elements.
 // ---------------------------------------------------------------------------
 template <typename T>
 struct Staged {
@@ -174,12 +176,12 @@ struct Staged {
     }
 };
 
-// Copies this thread's vectors of the slice of `row` of each tensor into `buf` (tensor t at t * stride) and
-// waits for them.
-template <typename T, int THREADS, int TENSORS>
+// Copies this thread's vectors (lane, lane + TPR, ...) of the slice of `row` of each tensor into `buf`
+// (tensor t at t * stride) and waits for them.
+template <typename T, int TPR, int TENSORS>
 __device__ __forceinline__ void stage_row(uint4* buf, int stride, const T* const (&src)[TENSORS], i64 row, i64 N,
-                                          i64 begin, int vectors) {
-    for (int i = threadIdx.x; i < vectors; i += THREADS) {
+                                          i64 begin, int vectors, int lane) {
+    for (int i = lane; i < vectors; i += TPR) {
 #pragma unroll
         for (int t = 0; t < TENSORS; ++t)
             cp_async16(buf + t * stride + i, reinterpret_cast<const uint4*>(src[t] + row * N + begin) + i);
@@ -187,20 +189,22 @@ __device__ __forceinline__ void stage_row(uint4* buf, int stride, const T* const
     cp_async_wait_all();
 }
 
-template <typename T, int THREADS, int CLUSTER>
+template <typename T, int TPR, int ROWS, int CLUSTER>
 __device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 M, i64 N, i64 slice,
                                                         int log_mode) {
     using S = Staged<T>;
     extern __shared__ uint4 stage[];
     const int stride = (int)(slice / S::VEC);
+    const int lane = threadIdx.x % TPR;
+    uint4* xs = stage + (threadIdx.x / TPR) * stride;
     const i64 begin = (CLUSTER > 1 ? (i64)cluster_rank() : 0) * slice;
     const int vectors = S::vectors(begin, N, slice);
     const T* const src[1] = {x};
-    for (i64 row = blockIdx.x / CLUSTER; row < M; row += gridDim.x / CLUSTER) {
-        stage_row<T, THREADS, 1>(stage, stride, src, row, N, begin, vectors);
-        const uint4* xs = stage;
+    const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
+    for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
+        stage_row<T, TPR, 1>(xs, stride, src, row, N, begin, vectors, lane);
         float m = -MS_INF;
-        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        for (int i = lane; i < vectors; i += TPR) {
             const auto r = S::regs(xs[i]);
 #pragma unroll
             for (int e = 0; e < S::VEC; ++e) m = fmaxf(m, S::V::get(r, e));
@@ -209,17 +213,17 @@ __device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 
         st.m = m;
         if (m != -MS_INF) {
             float s = 0.f;
-            for (int i = threadIdx.x; i < vectors; i += THREADS) {
+            for (int i = lane; i < vectors; i += TPR) {
                 const auto r = S::regs(xs[i]);
 #pragma unroll
                 for (int e = 0; e < S::VEC; ++e) s += exp_diff(S::V::get(r, e), m);
             }
             st.s = s;
         }
-        st = row_reduce<THREADS, CLUSTER>(st);
+        st = row_reduce<TPR, CLUSTER>(st);
         const float inv_sum = 1.f / st.s, log_sum = logf(st.s);
         uint4* dst = reinterpret_cast<uint4*>(out + row * N + begin);
-        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        for (int i = lane; i < vectors; i += TPR) {
             const auto r = S::regs(xs[i]);
             float f[S::VEC];
 #pragma unroll
@@ -233,30 +237,32 @@ __device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 
 }
 
 // Stages y and dy.
-template <typename T, int THREADS, int CLUSTER>
+template <typename T, int TPR, int ROWS, int CLUSTER>
 __device__ __forceinline__ void softmax_bwd_staged_rows(const T* y, const T* dy, T* dx, i64 M, i64 N, i64 slice,
                                                         int log_mode) {
     using S = Staged<T>;
     extern __shared__ uint4 stage[];
     const int stride = (int)(slice / S::VEC);
+    const int lane = threadIdx.x % TPR;
+    uint4* ys = stage + (threadIdx.x / TPR) * 2 * stride;
+    const uint4* ds = ys + stride;
     const i64 begin = (CLUSTER > 1 ? (i64)cluster_rank() : 0) * slice;
     const int vectors = S::vectors(begin, N, slice);
     const T* const src[2] = {y, dy};
-    for (i64 row = blockIdx.x / CLUSTER; row < M; row += gridDim.x / CLUSTER) {
-        stage_row<T, THREADS, 2>(stage, stride, src, row, N, begin, vectors);
-        const uint4* ys = stage;
-        const uint4* ds = stage + stride;
+    const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
+    for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
+        stage_row<T, TPR, 2>(ys, stride, src, row, N, begin, vectors, lane);
         float acc = 0.f;
-        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        for (int i = lane; i < vectors; i += TPR) {
             const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
 #pragma unroll
             for (int e = 0; e < S::VEC; ++e) acc += log_mode ? S::V::get(rd, e) : S::V::get(ry, e) * S::V::get(rd, e);
         }
         Stats st = stats_empty();
         st.a = acc;
-        const float dot = row_reduce<THREADS, CLUSTER>(st).a;
+        const float dot = row_reduce<TPR, CLUSTER>(st).a;
         uint4* dst = reinterpret_cast<uint4*>(dx + row * N + begin);
-        for (int i = threadIdx.x; i < vectors; i += THREADS) {
+        for (int i = lane; i < vectors; i += TPR) {
             const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
             float f[S::VEC];
 #pragma unroll
@@ -269,28 +275,27 @@ __device__ __forceinline__ void softmax_bwd_staged_rows(const T* y, const T* dy,
     }
 }
 
-template <typename T, int THREADS>
-MS_ROW_KERNEL_MIN(THREADS, 1) softmax_fwd_staged(const T* x, T* out, i64 M, i64 N, i64 slice,
-                                                 int log_mode) {
-    softmax_fwd_staged_rows<T, THREADS, 1>(x, out, M, N, slice, log_mode);
+template <typename T, int TPR, int ROWS>
+MS_ROW_KERNEL_MIN(TPR * ROWS, 1) softmax_fwd_staged(const T* x, T* out, i64 M, i64 N, i64 slice, int log_mode) {
+    softmax_fwd_staged_rows<T, TPR, ROWS, 1>(x, out, M, N, slice, log_mode);
 }
 
-template <typename T, int THREADS>
-MS_ROW_KERNEL_MIN(THREADS, 1) softmax_bwd_staged(const T* y, const T* dy, T* dx, i64 M, i64 N, i64 slice,
-                                                 int log_mode) {
-    softmax_bwd_staged_rows<T, THREADS, 1>(y, dy, dx, M, N, slice, log_mode);
+template <typename T, int TPR, int ROWS>
+MS_ROW_KERNEL_MIN(TPR * ROWS, 1) softmax_bwd_staged(const T* y, const T* dy, T* dx, i64 M, i64 N, i64 slice,
+                                                   int log_mode) {
+    softmax_bwd_staged_rows<T, TPR, ROWS, 1>(y, dy, dx, M, N, slice, log_mode);
 }
 
 #if __CUDA_ARCH__ >= 900
-template <typename T, int THREADS, int CLUSTER>
-MS_CLUSTER_KERNEL(THREADS, CLUSTER, 1) softmax_fwd_staged_cluster(const T* x, T* out, i64 M, i64 N, i64 slice,
-                                                                  int log_mode) {
-    softmax_fwd_staged_rows<T, THREADS, CLUSTER>(x, out, M, N, slice, log_mode);
+template <typename T, int TPR, int CLUSTER>
+MS_CLUSTER_KERNEL(TPR, CLUSTER, 1) softmax_fwd_staged_cluster(const T* x, T* out, i64 M, i64 N, i64 slice,
+                                                              int log_mode) {
+    softmax_fwd_staged_rows<T, TPR, 1, CLUSTER>(x, out, M, N, slice, log_mode);
 }
 
-template <typename T, int THREADS, int CLUSTER>
-MS_CLUSTER_KERNEL(THREADS, CLUSTER, 1) softmax_bwd_staged_cluster(const T* y, const T* dy, T* dx, i64 M, i64 N,
-                                                                  i64 slice, int log_mode) {
-    softmax_bwd_staged_rows<T, THREADS, CLUSTER>(y, dy, dx, M, N, slice, log_mode);
+template <typename T, int TPR, int CLUSTER>
+MS_CLUSTER_KERNEL(TPR, CLUSTER, 1) softmax_bwd_staged_cluster(const T* y, const T* dy, T* dx, i64 M, i64 N,
+                                                              i64 slice, int log_mode) {
+    softmax_bwd_staged_rows<T, TPR, 1, CLUSTER>(y, dy, dx, M, N, slice, log_mode);
 }
 #endif
