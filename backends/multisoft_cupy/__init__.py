@@ -44,5 +44,6 @@ def notes() -> list[str]:
     return [
         "kernels compile on first use per device, dtype and shape class (NVRTC); "
         "CuPy caches binaries on disk ($CUPY_CACHE_DIR)",
-        "rows longer than one pass holds in registers are read twice",
+        "rows are staged in shared memory (cp.async; a cluster of blocks per long row) where that measured "
+        "faster, else held in registers; rows longer than either holds are read twice",
     ]

@@ -9,7 +9,7 @@ A target outside [0, C) that is not ignore_index is never loaded; its loss is Na
 import triton
 import triton.language as tl
 
-from .utils import next_power_of_2, on_device, online_max, warps_for
+from .utils import next_power_of_2, on_device, online_max, safe_shift, warps_for
 
 TILE_MAX = 8192
 TILE_ELEMENTS = 8192
@@ -51,7 +51,7 @@ def _fwd_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, M, C
     mask = row_mask[:, None] & (cols[None, :] < C)
     x = tl.load(logits_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
     row_max = tl.max(x, axis=1)
-    safe_max = tl.where(row_max == -float("inf"), 0.0, row_max)
+    safe_max = safe_shift(row_max)
     lse = safe_max + tl.log(tl.sum(tl.exp(x - safe_max[:, None]), axis=1))
     target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, rows, row_mask, C,
                                                      ignore_index, HAS_WEIGHT)

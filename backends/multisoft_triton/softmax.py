@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import interpreting, next_power_of_2, on_device, online_max, sm_count, warps_for
+from .utils import interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for
 
 # The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
 # backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
@@ -101,7 +101,7 @@ def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CH
     row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
     x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
     local_max = tl.max(x, axis=0)
-    safe_max = tl.where(local_max == -float("inf"), 0.0, local_max)
+    safe_max = safe_shift(local_max)
     tl.store(max_ptr + ticket, local_max)
     tl.store(sum_ptr + ticket, tl.sum(tl.exp(x - safe_max), axis=0))
     _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
@@ -110,7 +110,7 @@ def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CH
     part_max = tl.load(max_ptr + parts, mask=part_mask, other=-float("inf"), volatile=True)
     part_sum = tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True)
     row_max = tl.max(part_max, axis=0)
-    safe_row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
+    safe_row_max = safe_shift(row_max)
     total = tl.sum(part_sum * tl.exp(part_max - safe_row_max), axis=0)
     shifted = x - row_max
     if LOG:

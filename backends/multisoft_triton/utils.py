@@ -41,9 +41,16 @@ def warps_for(elements):
 
 
 @triton.jit
+def safe_shift(row_max):
+    """The shift for exp(x - shift): the row's max, or 0 where the row is -inf only, so that its
+    exponentials are 0 instead of NaN."""
+    return tl.where(row_max == -float("inf"), 0.0, row_max)
+
+
+@triton.jit
 def online_max(run_max, run_sum, block_max):
     """Fold a block's max into a running (max, sum of exp(x - max)): the new max, the shift for the
     block's exponentials (0 while everything seen is -inf), and the running sum rescaled to that shift."""
     new_max = tl.maximum(run_max, block_max)
-    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # as safe_shift; through it the CE loop compiles differently
     return new_max, shift, run_sum * tl.exp(run_max - shift)
