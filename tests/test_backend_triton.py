@@ -167,6 +167,27 @@ def test_long_rows_split_path_special_rows(columns, dtype, log):
     _check_softmax(x, log)
 
 
+@needs_cuda
+@pytest.mark.parametrize("stream", [(8192, 2048, 4, 1), (8192, 2048, 4, 3), (4096, 1024, 4, 3)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_streaming_split_forward(stream, dtype, monkeypatch):
+    """The split forward streaming its chunk twice (SPLIT_STREAM): partial last chunks, rows of -inf only, NaN."""
+    from multisoft.check import error_ratio, reference_softmax
+    from multisoft_triton import softmax
+
+    monkeypatch.setattr(softmax, "SPLIT_STREAM", {dtype.itemsize: stream})
+    for columns in (32769, 131075, 262144):
+        x = (torch.randn(4, columns, device="cuda") * 4).to(dtype)
+        x[1] = float("-inf")
+        x[2, 1000] = float("nan")
+        x[3, 5::3] = float("-inf")
+        for log in (False, True):
+            out = torch.empty_like(x)
+            softmax.forward(x, out, log)
+            _, ratio = error_ratio(out, reference_softmax(x, -1, log), x.dtype)
+            assert ratio <= 1, f"{columns} log={log}: {ratio:.3g} x the tolerance"
+
+
 @needs_kernels
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

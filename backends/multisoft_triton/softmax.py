@@ -6,7 +6,9 @@ Three paths, chosen by the row length N:
   (several short rows per program) and reads and writes each element once.
 - split (CUDA only): a long row is cut into chunks held in registers by
   cooperating programs that swap per-chunk statistics through global memory,
-  so each element is still read and written once.
+  so each element is still read and written once. The 16-bit forward streams
+  its chunks instead and reads them twice, the second time mostly from L2
+  (SPLIT_STREAM).
 - loop: one program per row streams it twice (statistics, then output); any
   length. The interpreter takes it for long rows, since its programs run one
   after another and cannot wait for each other.
@@ -27,6 +29,10 @@ LOOP_BLOCK = 4096
 SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))  # (chunk, num_warps): the first needing few enough chunks
 SPLIT_TICKET = True
 SPLIT_COUNTER_STRIDE = 32  # int32s between the per-row counters: one 128-byte line each
+# By element size: (chunk, sub-block, num_warps, stages) of the streaming split forward; absent: the chunk held
+# in registers. Measured on an H200 (benchmarks/results/tuning/triton-split-stream-round*.txt): bf16 rows of
+# 131072 and 262144, 0.63 -> 0.69 of copy; float32 and pipelined loads (stages > 1) were slower.
+SPLIT_STREAM = {2: (8192, 2048, 4, 1)}
 
 
 @triton.jit
@@ -118,6 +124,46 @@ def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CH
     else:
         y = tl.exp(shifted) * (1.0 / total)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_split_stream_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
+                             SUB: tl.constexpr, STAGES: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr,
+                             TICKET: tl.constexpr, COUNTER_STRIDE: tl.constexpr):
+    """The split forward with its chunk not held in registers (which keep 16-bit data as floats): streamed
+    in SUB-element steps for the statistics, and again, mostly from L2, for the output. STAGES > 1
+    pipelines the loads through shared memory."""
+    row, ticket, _, _ = _claim_chunk(count_ptr, N, chunks, 1, TICKET)
+    row_start = row * N
+    cols = (ticket % chunks) * CHUNK + tl.arange(0, SUB)
+    run_max = tl.full((), -float("inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    for start in tl.range(0, CHUNK, SUB, num_stages=STAGES):
+        x = tl.load(x_ptr + row_start + start + cols, mask=start + cols < N, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32)
+        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
+        run_sum += tl.sum(tl.exp(x - shift), axis=0)
+    tl.store(max_ptr + ticket, run_max)
+    tl.store(sum_ptr + ticket, run_sum)
+    _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
+    parts = row * chunks + tl.arange(0, CHUNKS_P2)
+    part_mask = tl.arange(0, CHUNKS_P2) < chunks
+    part_max = tl.load(max_ptr + parts, mask=part_mask, other=-float("inf"), volatile=True)
+    part_sum = tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True)
+    row_max = tl.max(part_max, axis=0)
+    total = tl.sum(part_sum * tl.exp(part_max - safe_shift(row_max)), axis=0)
+    log_total = tl.log(total)
+    inverse = 1.0 / total
+    for start in tl.range(0, CHUNK, SUB, num_stages=STAGES):
+        offsets = row_start + start + cols
+        mask = start + cols < N
+        shifted = tl.load(x_ptr + offsets, mask=mask, other=-float("inf"),
+                          eviction_policy="evict_first").to(tl.float32) - row_max
+        if LOG:
+            y = shifted - log_total
+        else:
+            y = tl.exp(shifted) * inverse
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -221,6 +267,16 @@ def forward(x, out, log):
         config = _split_config(x, N)
         if config is None:
             _fwd_loop_kernel[(M,)](x, out, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
+            return
+        stream = SPLIT_STREAM.get(x.element_size())
+        if stream is not None and triton.cdiv(N, stream[0]) <= sm_count(x):
+            chunk, sub, warps, stages = stream
+            chunks = triton.cdiv(N, chunk)
+            stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
+            _fwd_split_stream_kernel[(M * chunks,)](
+                x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk, SUB=sub, STAGES=stages,
+                CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
+                COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)

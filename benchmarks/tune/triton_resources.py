@@ -49,6 +49,11 @@ def configurations():
         found.append((f"softmax-fwd-split-{dtype}-{chunk}", softmax._fwd_split_kernel,
                       {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
                       split, warps))
+        if size in softmax.SPLIT_STREAM:
+            chunk_s, sub, warps_s, stages = softmax.SPLIT_STREAM[size]
+            found.append((f"softmax-fwd-split-stream-{dtype}-{chunk_s}", softmax._fwd_split_stream_kernel,
+                          {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
+                          {**split, "CHUNK": chunk_s, "SUB": sub, "STAGES": stages}, warps_s))
         found.append((f"softmax-bwd-split-{dtype}-{chunk}", softmax._bwd_split_kernel,
                       {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "sum_ptr": "*fp32", **stats}, split, warps))
         scalars = {"ignore_index": "i64", "keep": "fp32", "smooth_per_class": "fp32"}
@@ -112,7 +117,9 @@ def report(cubin, num_warps):
     threads = 32 * num_warps
     by_registers = REGISTERS_PER_SM // (-(-regs // 8) * 8 * threads)
     programs = min(by_registers, THREADS_PER_SM // threads, PROGRAMS_PER_SM)
-    memory = collections.Counter(re.findall(r"\b((?:LDG|STG|LDGSTS)\.E(?:\.\d+)?)", sass))
+    # e.g. LDG.E.EL.128 (with a cache hint) counts as LDG.E.128; no width: 32 bits
+    memory = collections.Counter(f"{op}.E{'.' + width if width else ''}" for op, width in
+                                 re.findall(r"\b(LDG|STG|LDGSTS)\.E(?:\.[A-Z_]+)*(?:\.(\d+))?\b", sass))
     return regs, local, programs, memory, sass
 
 
