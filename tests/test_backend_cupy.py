@@ -152,7 +152,8 @@ def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, m
                 continue
             assert cfg.slice % vec == 0 and cfg.cluster * cfg.slice >= cols > (cfg.cluster - 1) * cfg.slice
             assert cfg.shared_bytes(direction, elem) <= min(max_shared, _catalog.STAGED_BLOCK_BYTES)
-            assert cfg.cluster <= most and cfg.threads == _catalog.STAGED_BLOCK_THREADS[direction] and cfg.rows == 1
+            assert cfg.cluster <= most and cfg.rows == 1
+            assert cfg.threads == _catalog.STAGED_BLOCK_THREADS[direction]
             assert _catalog.staged_kernel(direction, "float", cfg) in expressions
             for rows in (1, 7, 1024, 1 << 31):
                 grid = _catalog.staged_grid(rows, cfg)
@@ -172,7 +173,8 @@ def test_staged_warps_take_their_column_range(elem, monkeypatch):
         assert _catalog.staged_kernel("fwd", "bf16_t", cfg) in expressions
         assert _catalog.staged_grid(100, cfg) == -(-100 // cfg.rows)
     assert _catalog.staged_config("fwd", 2049, elem, 90, 227 * 1024) is None
-    monkeypatch.setattr(_catalog, "STAGED_BLOCK_BYTES", _catalog.STAGED_WARP_ROWS * 2048 * elem - 1)  # too large
+    too_large = _catalog.STAGED_WARP_ROWS * 2048 * elem - 1
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_BYTES", too_large)
     assert _catalog.staged_config("fwd", 2048, elem, 90, 227 * 1024) is None
     assert _catalog.staged_config("fwd", 8192, elem, 90, 227 * 1024).tpr > 32
 
@@ -286,7 +288,8 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
         pytest.skip("a warp per row takes no cluster")
     if cluster > 1 and torch.cuda.get_device_capability(0) < (9, 0):
         pytest.skip("clusters need sm_90")
-    cases = ((vec * 3, vec), (vec * (8 * 40 + 1), vec * 41), (vec * 1000, vec * 1000 // cluster), (vec * 37, vec * 37))
+    cases = ((vec * 3, vec), (vec * (8 * 40 + 1), vec * 41), (vec * 1000, vec * 1000 // cluster),
+             (vec * 37, vec * 37))
     for (cols, slice_), max_grid in itertools.product(cases, (cluster, 1 << 20)):
         cfg = _catalog.StagedConfig(tpr, rows, cluster, slice_)
         if cluster * slice_ < cols or cfg.shared_bytes("bwd", dtype.itemsize) > 160 * 1024:
@@ -307,7 +310,8 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
             dx = torch.empty_like(x)
             softmax.backward(y, dy, dx, log)
             y64, dy64 = y.double(), dy.double()
-            ref_dx = dy64 - y64.exp() * dy64.sum(-1, True) if log else y64 * (dy64 - (y64 * dy64).sum(-1, True))
+            dot = dy64.sum(-1, True) if log else (y64 * dy64).sum(-1, True)
+            ref_dx = dy64 - y64.exp() * dot if log else y64 * (dy64 - dot)
             check(dx, ref_dx, dtype, f"backward log={log} {what}")
 
 

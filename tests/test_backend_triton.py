@@ -171,7 +171,8 @@ def test_long_rows_split_path_special_rows(columns, dtype, log):
 @pytest.mark.parametrize("stream", [(8192, 2048, 4, 1), (8192, 2048, 4, 3), (4096, 1024, 4, 3)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_rows_streaming_split_forward(stream, dtype, monkeypatch):
-    """The split forward streaming its chunk twice (SPLIT_STREAM): partial last chunks, rows of -inf only, NaN."""
+    """The split forward streaming its chunk twice (SPLIT_STREAM): partial last chunks, rows of -inf
+    only, NaN."""
     from multisoft.check import error_ratio, reference_softmax
     from multisoft_triton import softmax
 

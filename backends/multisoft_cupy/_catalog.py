@@ -66,8 +66,8 @@ BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4
 
 
 class StagedConfig(NamedTuple):
-    """Rows staged in shared memory: TPR threads per row (a block, or a warp of ROWS per block), CLUSTER blocks
-    per row (TPR > 32 only), SLICE columns per row group."""
+    """Rows staged in shared memory: TPR threads per row (a block, or a warp of ROWS per block),
+    CLUSTER blocks per row (TPR > 32 only), SLICE columns per row group."""
 
     tpr: int
     rows: int
@@ -86,7 +86,7 @@ _STAGED_TENSORS = {"fwd": 1, "bwd": 2}  # x; y and dy
 STAGED_BLOCKS = ((256, 1), (512, 1))  # (TPR, ROWS) of a block per row, also in clusters
 STAGED_WARPS = ((32, 4), (32, 8))  # (TPR, ROWS) of a warp per row
 STAGED_CLUSTERS = (1, 2, 4, 8)
-# A block (or cluster) per row from these column counts on, by (direction, element size); a missing key: never.
+# A block (or cluster) per row from these column counts on, by (direction, element size); absent: never.
 # Measured on an H200 (benchmarks/results/tuning/cupy-staged-round*.txt): the float32 backward is faster in
 # registers.
 STAGED_MIN_COLUMNS = {("fwd", 4): 65537, ("fwd", 2): 16385, ("bwd", 2): 65537}
@@ -203,10 +203,11 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
     return _smallest_fitting(ordered, columns, elem_size)
 
 
-def staged_config(direction: str, columns: int, elem_size: int, cc: int, max_shared: int) -> StagedConfig | None:
-    """Staging in shared memory (sm_80+, clusters sm_90+): a warp per row inside a STAGED_WARP_COLUMNS range, a
-    block per row from STAGED_MIN_COLUMNS on, split over the fewest blocks of a cluster whose slices take at
-    most STAGED_BLOCK_BYTES (and `max_shared`) per block; None when neither applies."""
+def staged_config(direction: str, columns: int, elem_size: int, cc: int,
+                  max_shared: int) -> StagedConfig | None:
+    """Staging in shared memory (sm_80+, clusters sm_90+): a warp per row inside a STAGED_WARP_COLUMNS
+    range, a block per row from STAGED_MIN_COLUMNS on, split over the fewest blocks of a cluster whose
+    slices take at most STAGED_BLOCK_BYTES (and `max_shared`) per block; None when neither applies."""
     if cc < 80:
         return None
     key = (direction, elem_size)
@@ -229,7 +230,8 @@ def staged_config(direction: str, columns: int, elem_size: int, cc: int, max_sha
 
 
 def staged_grid(rows: int, cfg: StagedConfig) -> int:
-    """Blocks for a staged launch: a cluster (or block) per row group, within the grid limit (then they walk rows).
+    """Blocks for a staged launch: a cluster (or block) per row group, within the grid limit (beyond it they
+    walk rows).
     Measured slower on an H200: persistent clusters (as many as fit, each walking its share of the rows;
     clusters that did not fit ran after the others), and two buffers per block copying the next row while
     working on the current one (fewer blocks per multiprocessor)."""

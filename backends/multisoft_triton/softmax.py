@@ -29,8 +29,8 @@ LOOP_BLOCK = 4096
 SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))  # (chunk, num_warps): the first needing few enough chunks
 SPLIT_TICKET = True
 SPLIT_COUNTER_STRIDE = 32  # int32s between the per-row counters: one 128-byte line each
-# By element size: (chunk, sub-block, num_warps, stages) of the streaming split forward; absent: the chunk held
-# in registers. Measured on an H200 (benchmarks/results/tuning/triton-split-stream-round*.txt): bf16 rows of
+# By element size: (chunk, sub-block, num_warps, stages) of the streaming split forward; absent: the
+# chunk held in registers. Measured on an H200 (benchmarks/results/tuning/triton-split-stream-round*.txt): bf16 rows of
 # 131072 and 262144, 0.63 -> 0.69 of copy; float32 and pipelined loads (stages > 1) were slower.
 SPLIT_STREAM = {2: (8192, 2048, 4, 1)}
 
@@ -128,8 +128,8 @@ def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CH
 
 @triton.jit
 def _fwd_split_stream_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
-                             SUB: tl.constexpr, STAGES: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr,
-                             TICKET: tl.constexpr, COUNTER_STRIDE: tl.constexpr):
+                             SUB: tl.constexpr, STAGES: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                             LOG: tl.constexpr, TICKET: tl.constexpr, COUNTER_STRIDE: tl.constexpr):
     """The split forward with its chunk not held in registers (which keep 16-bit data as floats): streamed
     in SUB-element steps for the statistics, and again, mostly from L2, for the output. STAGES > 1
     pipelines the loads through shared memory."""
@@ -274,8 +274,8 @@ def forward(x, out, log):
             chunks = triton.cdiv(N, chunk)
             stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
             _fwd_split_stream_kernel[(M * chunks,)](
-                x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk, SUB=sub, STAGES=stages,
-                CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
+                x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk, SUB=sub,
+                STAGES=stages, CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
                 COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
             return
         chunk, warps = config

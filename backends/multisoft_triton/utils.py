@@ -52,5 +52,6 @@ def online_max(run_max, run_sum, block_max):
     """Fold a block's max into a running (max, sum of exp(x - max)): the new max, the shift for the
     block's exponentials (0 while everything seen is -inf), and the running sum rescaled to that shift."""
     new_max = tl.maximum(run_max, block_max)
-    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # as safe_shift; through it the CE loop compiles differently
+    # safe_shift(new_max), written out: through the helper the cross-entropy loop compiles differently
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
     return new_max, shift, run_sum * tl.exp(run_max - shift)
