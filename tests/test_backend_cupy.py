@@ -244,6 +244,45 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
             assert type(arg).__name__ == expected, (expression, param, type(arg))
 
 
+def test_launch_opts_in_to_large_shared_memory_once(monkeypatch):
+    """Beyond 48 KB of dynamic shared memory a kernel needs the opt-in attribute: set once per device and
+    kernel for the largest size asked (again after clear_cache reloads the modules), never for 48 KB or less;
+    every launch gets its bytes."""
+    import contextlib
+    import types
+
+    if importlib.util.find_spec("cupy") is None:
+        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    from multisoft_cupy import _module
+
+    class Kernel:
+        def __init__(self):
+            self.opt_ins, self.shared = [], []
+
+        max_dynamic_shared_size_bytes = property(None, lambda self, size: self.opt_ins.append(size))
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            self.shared.append(shared_mem)
+
+    kernels = {}
+    monkeypatch.setattr(_module, "kernel", lambda index, src, element, expr: kernels.setdefault((index, expr),
+                                                                                                  Kernel()))
+    monkeypatch.setattr(_module, "cupy", SimpleNamespace(cuda=SimpleNamespace(Device=contextlib.nullcontext)))
+    monkeypatch.setattr(_module, "_stream", contextlib.nullcontext)
+    monkeypatch.setattr(_module, "device_index", lambda t: t.numel())  # a tensor of n elements: device n
+    monkeypatch.setattr(_module, "_shared_set", {})
+    kb = 1024
+    for device, expr, size in ((1, "a", 64 * kb), (1, "a", 64 * kb), (1, "b", 48 * kb), (1, "a", 32 * kb),
+                               (1, "a", 100 * kb), (2, "a", 64 * kb)):
+        _module.launch(torch.empty(device), "softmax.cu", expr, (1, 1, 1), (32, 1, 1), (), shared_mem=size)
+    assert kernels[(1, "a")].opt_ins == [64 * kb, 100 * kb] and kernels[(2, "a")].opt_ins == [64 * kb]
+    assert kernels[(1, "b")].opt_ins == []
+    assert kernels[(1, "a")].shared == [64 * kb, 64 * kb, 32 * kb, 100 * kb]
+    _module.clear_cache()
+    _module.launch(torch.empty(1), "softmax.cu", "a", (1, 1, 1), (32, 1, 1), (), shared_mem=64 * kb)
+    assert kernels[(1, "a")].opt_ins == [64 * kb, 100 * kb, 64 * kb]
+
+
 # ---- GPU ----
 
 def _device(index=0):
