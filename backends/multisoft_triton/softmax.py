@@ -101,23 +101,29 @@ def _wait_for_row(counter_ptr, chunks):
 
 
 @triton.jit
-def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
-                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr):
-    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
-    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
-    local_max = tl.max(x, axis=0)
-    safe_max = safe_shift(local_max)
-    tl.store(max_ptr + ticket, local_max)
-    tl.store(sum_ptr + ticket, tl.sum(tl.exp(x - safe_max), axis=0))
+def _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2: tl.constexpr,
+                    COUNTER_STRIDE: tl.constexpr):
+    """Once every chunk of the row has published its (max, sum of exp(x - max)): the row's max and its sum
+    of exp(x - row max)."""
     _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
     parts = row * chunks + tl.arange(0, CHUNKS_P2)
     part_mask = tl.arange(0, CHUNKS_P2) < chunks
     part_max = tl.load(max_ptr + parts, mask=part_mask, other=-float("inf"), volatile=True)
     part_sum = tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True)
     row_max = tl.max(part_max, axis=0)
-    safe_row_max = safe_shift(row_max)
-    total = tl.sum(part_sum * tl.exp(part_max - safe_row_max), axis=0)
+    return row_max, tl.sum(part_sum * tl.exp(part_max - safe_shift(row_max)), axis=0)
+
+
+@triton.jit
+def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
+                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
+                      COUNTER_STRIDE: tl.constexpr):
+    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
+    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
+    local_max = tl.max(x, axis=0)
+    tl.store(max_ptr + ticket, local_max)
+    tl.store(sum_ptr + ticket, tl.sum(tl.exp(x - safe_shift(local_max)), axis=0))
+    row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
     shifted = x - row_max
     if LOG:
         y = shifted - tl.log(total)
@@ -145,13 +151,7 @@ def _fwd_split_stream_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chu
         run_sum += tl.sum(tl.exp(x - shift), axis=0)
     tl.store(max_ptr + ticket, run_max)
     tl.store(sum_ptr + ticket, run_sum)
-    _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
-    parts = row * chunks + tl.arange(0, CHUNKS_P2)
-    part_mask = tl.arange(0, CHUNKS_P2) < chunks
-    part_max = tl.load(max_ptr + parts, mask=part_mask, other=-float("inf"), volatile=True)
-    part_sum = tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True)
-    row_max = tl.max(part_max, axis=0)
-    total = tl.sum(part_sum * tl.exp(part_max - safe_shift(row_max)), axis=0)
+    row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
     log_total = tl.log(total)
     inverse = 1.0 / total
     for start in tl.range(0, CHUNK, SUB, num_stages=STAGES):
