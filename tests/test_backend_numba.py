@@ -215,7 +215,8 @@ def test_long_row_paths_with_a_masked_part(dtype, path):
         return ("split", softmax.SPLIT_THREADS, parts, cache) if path == "split" else ("looping", 1024, 1, cache)
 
     for log in (False, True):
-        plan = plan_for(softmax.CACHE)
+        held = 2 if x.element_size() == 2 else 4   # rows of 262144 are read in pairs: 16-bit rows are held packed
+        plan = plan_for(softmax.SPLIT_CACHE[held])
         out = torch.empty_like(x)
         softmax.forward(x, out, log, plan=plan)
         expected = reference_softmax(x, -1, log)
@@ -223,9 +224,53 @@ def test_long_row_paths_with_a_masked_part(dtype, path):
         assert_close(out[:2], expected[:2], dtype, f"{path} forward")
         dy = torch.randn_like(x)
         dx = torch.empty_like(x)
-        bwd_plan = plan_for(softmax.CACHE_BWD[x.element_size()][0])
+        bwd_plan = plan_for(softmax.SPLIT_CACHE_BWD[held])
         softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log, plan=bwd_plan)
         assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype, f"{path} backward")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_packed_16bit_rows_on_every_path_and_cache(dtype):
+    """16-bit rows held as words (PACK_16BIT): the cached and split paths at several elements per
+    thread, rows in vectors of 8 and of 2, ragged ends, a row of -inf only, a NaN, every third entry
+    -inf; forward and backward against float64."""
+    from multisoft.check import error_ratio, softmax_backward_magnitude
+    from multisoft_numba import softmax
+    from multisoft_numba._glue import threads_for, vector_views
+
+    half_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count // 2
+    checked = 0
+    for n in (1002, 4104, 32768, 70000):
+        x = (torch.randn(4, n, device=DEVICE) * 4).to(dtype)
+        x[1] = float("-inf")
+        x[2, n // 3] = float("nan")
+        x[3, 5::3] = float("-inf")
+        assert vector_views((x,))[1] == (2 if n == 1002 else 8)
+        for path, cache in (("cached", 8), ("cached", 32), ("cached", 64), ("split", 16), ("split", 32),
+                            ("split", 64)):
+            if path == "cached":
+                threads, parts = min(threads_for(n, cache), 1024), 1
+                if n > threads * cache:
+                    continue
+            else:
+                threads, parts = softmax.SPLIT_THREADS, -(-n // (softmax.SPLIT_THREADS * cache))
+                if parts > half_sms:
+                    continue
+            plan = (path, threads, parts, cache)
+            for log in (False, True):
+                out = torch.empty_like(x)
+                softmax.forward(x, out, log, plan=plan)
+                _, ratio = error_ratio(out, reference_softmax(x, -1, log), dtype)
+                assert ratio <= 1, f"forward {plan} n={n} log={log}: {ratio:.3g} x the tolerance"
+                dy = torch.randn_like(x)
+                dx = torch.empty_like(x)
+                softmax.backward(out, dy, dx, log, plan=plan)
+                _, ratio = error_ratio(dx, reference_softmax_backward(out, dy, -1, log), dtype,
+                                       softmax_backward_magnitude(out, dy, -1, log))
+                assert ratio <= 1, f"backward {plan} n={n} log={log}: {ratio:.3g} x the tolerance"
+                checked += 1
+    assert checked >= 30
 
 
 @needs_backend

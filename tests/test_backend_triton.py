@@ -189,6 +189,31 @@ def test_long_rows_streaming_split_forward(stream, dtype, monkeypatch):
             assert ratio <= 1, f"{columns} log={log}: {ratio:.3g} x the tolerance"
 
 
+def _special_rows(rows, columns, dtype):
+    """Random rows, then a row of -inf only, a NaN, and every third entry -inf."""
+    x = (torch.randn(rows, columns, device=DEVICE) * 4).to(dtype)
+    x[1] = float("-inf")
+    x[2, columns // 3] = float("nan")
+    x[3, 5::3] = float("-inf")
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "floats"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_16bit_tiles_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
+    """16-bit tiles (and, on a GPU, split chunks) held as loaded and widened again after each reduction
+    (RAW_PATHS), or held as floats: both match float64, forward and backward."""
+    from multisoft_triton import softmax
+
+    paths = ("forward tile", "forward split", "backward tile", "backward split")
+    monkeypatch.setattr(softmax, "RAW_FROM", {path: 0 for path in paths} if raw else {})
+    shapes = [(6, 1000), (4, 4100)] + ([(5, 32768), (4, 131075)] if torch.cuda.is_available() else [])
+    for rows, columns in shapes:
+        for log in (False, True):
+            _check_softmax(_special_rows(rows, columns, dtype), log)
+
+
 @needs_kernels
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

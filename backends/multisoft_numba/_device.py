@@ -169,6 +169,76 @@ def strided_io(fmt, width, count):
     return read_vectors, write_vectors
 
 
+HALF_SHIFT = 16   # bits from a 16-bit element's place in its word to the next element's
+
+
+def packed_pad(fmt, pad):
+    """The word holding two 16-bit copies of `pad` (-inf or 0), for the places past a row's end."""
+    if pad == 0:
+        return int32(0)
+    bits = 0xFF80 if fmt == BF16 else 0xFC00
+    return int32((bits << 16 | bits) - (1 << 32))
+
+
+@functools.cache
+def packed_io(fmt, width, count):
+    """(read_packed(array, first, step, limit, raw, pad), unpack(raw, k, shift)) for 16-bit rows held
+    as their words, two elements per int32: half the registers of the same elements as floats.
+
+    read_packed puts the words of the `count` vectors first, first + step, ... of a 1-D word array
+    (see word_layout; width >= 2) into raw (count * width / 2 int32), `pad` (packed_pad) for vectors
+    at or past `limit`. unpack gives element k of raw as float32; `shift` must be HALF_SHIFT. A pass
+    that unpacks again after a barrier takes `shift` from shared memory (see fresh_shift), so the
+    compiler cannot reuse an earlier pass's floats and keep them alive instead of the words."""
+    words = width // 2
+    load_words, _ = vector_access(words)
+
+    @device_function
+    def read_through(array, first, step, limit, raw, pad, tmp):
+        for k in range(count):
+            c = first + k * step
+            if c < limit:
+                load_words(array, c, tmp)
+                for j in range(words):
+                    raw[k * words + j] = tmp[j]
+            else:
+                for j in range(words):
+                    raw[k * words + j] = pad
+
+    if SIMULATOR:
+        def read_packed(array, first, step, limit, raw, pad):
+            read_through(array, first, step, limit, raw, pad, numpy.empty(words, "int32"))
+    else:
+        @device_function
+        def read_packed(array, first, step, limit, raw, pad):
+            read_through(array, first, step, limit, raw, pad, cuda.local.array(words, int32))
+
+    @device_function
+    def unpack(raw, k, shift):
+        w = raw[k // 2]
+        if fmt == BF16:
+            if k % 2 == 0:
+                return _int_as_float(int32(w << shift))
+            return _int_as_float(int32(w & (int32(-1) << shift)))
+        if k % 2 == 0:
+            return half_bits_to_float(int32(w >> (shift - HALF_SHIFT)))
+        return half_bits_to_float(int32(w >> shift))
+
+    return read_packed, unpack
+
+
+@device_function
+def fresh_shift(slot):
+    """HALF_SHIFT, read from the shared int32 slot[0] (set by share_shift before a barrier)."""
+    return slot[0]
+
+
+@device_function
+def share_shift(slot):
+    if cuda.threadIdx.x == 0:
+        slot[0] = HALF_SHIFT
+
+
 @device_function
 def kahan_add(total, compensation, v):
     """Compensated summation step: long per-thread sums of signed terms stay accurate."""

@@ -15,6 +15,10 @@ Three ways to walk a row, all reading in float32 and writing in the row's dtype:
   flight per thread. The second pass walks the row from its end, so it first
   meets what the first pass read last, while that is still in L2.
 
+The cached and split paths hold 16-bit rows in vectors of 2 or more elements as
+their raw words (_device.packed_io): two elements per register instead of one
+float each, so a block holds twice the bytes.
+
 Kernels are built by the factories below per (element format, vector width, log,
 elements per thread), all compile-time constants. Rows are read and written a
 vector at a time (_device.strided_io) through one-row views indexed with unsigned
@@ -27,16 +31,22 @@ import numpy
 import torch
 from numba import cuda, float32, int32, uint64
 
-from ._device import (NEG_INF, block_max, block_online_merge, block_sum, expf, kahan_add, logf, nan_max,
-                      online_add_all, online_merge, strided_io, warp_online_merge, warp_sum, word_layout)
+from ._device import (FP32, HALF_SHIFT, NEG_INF, block_max, block_online_merge, block_sum, expf, fresh_shift,
+                      kahan_add, logf, nan_max, online_add_all, online_merge, packed_io, packed_pad, row_io,
+                      share_shift, strided_io, warp_online_merge, warp_sum, word_layout)
 from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, vector_views
 
 # Measured on the H200 (benchmarks/tune/numba.sh); keyed by the element size in bytes where
 # float32 and 16-bit rows differ.
-CACHE = 32       # forward: row elements per thread held in registers (rows up to CACHED_THREADS * CACHE)
+# Keyed by the bytes a held element takes in registers: 4 for float32 (and 16-bit rows that
+# cannot be read in pairs), 2 for packed 16-bit rows.
+CACHE = {4: (32,), 2: (32,)}   # forward: row elements per thread held in registers, fewest first
 CACHE_BWD = {4: (16,), 2: (8, 32)}   # backward: elements of y and of dy per thread, fewest first
+SPLIT_CACHE = {4: 32, 2: 64}       # the same for the parts of split rows, forward
+SPLIT_CACHE_BWD = {4: 16, 2: 32}   # and backward
 UNROLL = 8       # elements per thread per step of the looping kernels
-MAX_PARTS = {4: 64, 2: 0}   # most blocks one row is split into (16-bit rows: looping was faster)
+MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
+PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
 SPLIT_THREADS = 256   # several blocks per SM, so one's loads overlap another's waiting
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
@@ -204,6 +214,124 @@ def _backward_looping(fmt, width, log, unroll):
 
 
 @device_function
+def _softmax_value(x, unused, m, inv_s):
+    return expf(x - m) * inv_s
+
+
+@device_function
+def _log_softmax_value(x, unused, m, log_s):
+    return (x - m) - log_s
+
+
+@device_function
+def _softmax_gradient(y, g, acc, unused):
+    return y * (g - acc)
+
+
+@device_function
+def _log_softmax_gradient(y, g, acc, unused):
+    return g - expf(y) * acc
+
+
+@functools.cache
+def _packed_writer(fmt, width, cache, formula):
+    """write(array, first, step, limit, raw_a, raw_b, shift, p, q): formula(a, b, p, q) of the packed
+    elements a of raw_a and b of raw_b (_device.packed_io), written to the same places a vector at a time."""
+    _, unpack = packed_io(fmt, width, cache // width)
+    _, write = row_io(fmt, width)
+
+    @device_function
+    def write_through(array, first, step, limit, raw_a, raw_b, shift, p, q, vec):
+        for k in range(cache // width):
+            c = first + k * step
+            if c < limit:
+                for j in range(width):
+                    at = k * width + j
+                    vec[j] = formula(unpack(raw_a, at, shift), unpack(raw_b, at, shift), p, q)
+                write(array, c, vec, 0)
+
+    if SIMULATOR:
+        def write_packed(array, first, step, limit, raw_a, raw_b, shift, p, q):
+            write_through(array, first, step, limit, raw_a, raw_b, shift, p, q, numpy.empty(width, numpy.float32))
+    else:
+        @device_function
+        def write_packed(array, first, step, limit, raw_a, raw_b, shift, p, q):
+            write_through(array, first, step, limit, raw_a, raw_b, shift, p, q, cuda.local.array(width, float32))
+    return write_packed
+
+
+@device_function
+def _output_parameter(s, log):
+    """What the output formula takes besides the max: log(sum) for log_softmax, 1 / sum for softmax."""
+    return logf(s) if log else float32(1.0) / s
+
+
+@functools.cache
+def _forward_packed(fmt, width, log, cache):
+    """forward_cached for 16-bit rows held as words."""
+    read_packed, unpack = packed_io(fmt, width, cache // width)
+    write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
+    words = word_layout(fmt, width)[1]
+    held_words = cache // 2
+    pad = packed_pad(fmt, NEG_INF)
+
+    @kernel
+    def forward_packed(x, out):
+        row = uint64(cuda.blockIdx.x)
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n_vectors = x.shape[1] // words
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        slot = cuda.shared.array(1, int32)
+        raw = cuda.local.array(held_words, int32)
+        share_shift(slot)
+        read_packed(x[row], tid, threads, n_vectors, raw, pad)
+        m = NEG_INF
+        for k in range(cache):
+            m = nan_max(m, unpack(raw, k, HALF_SHIFT))
+        m = block_max(buf, m)
+        shift = fresh_shift(slot)
+        s = float32(0.0)
+        for k in range(cache):
+            s += expf(unpack(raw, k, shift) - m)
+        s = block_sum(buf, s)
+        write_packed(out[row], tid, threads, n_vectors, raw, raw, fresh_shift(slot), m, _output_parameter(s, log))
+
+    return forward_packed
+
+
+@functools.cache
+def _backward_packed(fmt, width, log, cache):
+    """backward_cached for 16-bit rows held as words."""
+    read_packed, unpack = packed_io(fmt, width, cache // width)
+    write_packed = _packed_writer(fmt, width, cache, _log_softmax_gradient if log else _softmax_gradient)
+    words = word_layout(fmt, width)[1]
+    held_words = cache // 2
+
+    @kernel
+    def backward_packed(y, dy, dx):
+        row = uint64(cuda.blockIdx.x)
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n_vectors = y.shape[1] // words
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        slot = cuda.shared.array(1, int32)
+        ys = cuda.local.array(held_words, int32)
+        gs = cuda.local.array(held_words, int32)
+        share_shift(slot)
+        read_packed(y[row], tid, threads, n_vectors, ys, int32(0))
+        read_packed(dy[row], tid, threads, n_vectors, gs, int32(0))
+        acc = float32(0.0)
+        for k in range(cache):
+            g = unpack(gs, k, HALF_SHIFT)
+            acc += g if log else unpack(ys, k, HALF_SHIFT) * g
+        acc = block_sum(buf, acc)
+        write_packed(dx[row], tid, threads, n_vectors, ys, gs, fresh_shift(slot), acc, float32(0.0))
+
+    return backward_packed
+
+
+@device_function
 def _take_ticket(sync):
     """This block's start order (sync[0] counts started blocks)."""
     slot = cuda.shared.array(1, int32)
@@ -324,32 +452,121 @@ def _backward_split(fmt, width, log, cache):
 
 
 @functools.cache
+def _forward_split_packed(fmt, width, log, cache):
+    """forward_split for 16-bit rows held as words."""
+    read_packed, unpack = packed_io(fmt, width, cache // width)
+    write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
+    words = word_layout(fmt, width)[1]
+    held_words = cache // 2
+    pad = packed_pad(fmt, NEG_INF)
+
+    @kernel
+    def forward_split_packed(x, out, stats, sync, parts):
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n_vectors = x.shape[1] // words
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        slot = cuda.shared.array(1, int32)
+        raw = cuda.local.array(held_words, int32)
+        share_shift(slot)
+        ticket = _take_ticket(sync)
+        row = ticket // parts
+        part = ticket % parts
+        first = part * (cache // width) * threads + tid
+        read_packed(x[uint64(row)], first, threads, n_vectors, raw, pad)
+        m = NEG_INF
+        for k in range(cache):
+            m = nan_max(m, unpack(raw, k, HALF_SHIFT))
+        part_m = block_max(buf, m)
+        s = float32(0.0)
+        if part_m != NEG_INF:
+            shift = fresh_shift(slot)
+            for k in range(cache):
+                s += expf(unpack(raw, k, shift) - part_m)
+        s = block_sum(buf, s)
+        at = row * 2 * parts + part
+        if tid == 0:
+            stats[at] = part_m
+            stats[at + parts] = s
+        _publish_and_wait(sync, row, parts)
+        m, s = _merged_statistics(stats, row * 2 * parts, parts)
+        write_packed(out[uint64(row)], first, threads, n_vectors, raw, raw, fresh_shift(slot), m,
+                     _output_parameter(s, log))
+
+    return forward_split_packed
+
+
+@functools.cache
+def _backward_split_packed(fmt, width, log, cache):
+    """backward_split for 16-bit rows held as words."""
+    read_packed, unpack = packed_io(fmt, width, cache // width)
+    write_packed = _packed_writer(fmt, width, cache, _log_softmax_gradient if log else _softmax_gradient)
+    words = word_layout(fmt, width)[1]
+    held_words = cache // 2
+
+    @kernel
+    def backward_split_packed(y, dy, dx, stats, sync, parts):
+        tid = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        n_vectors = y.shape[1] // words
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        slot = cuda.shared.array(1, int32)
+        ys = cuda.local.array(held_words, int32)
+        gs = cuda.local.array(held_words, int32)
+        share_shift(slot)
+        ticket = _take_ticket(sync)
+        row = ticket // parts
+        urow = uint64(row)
+        part = ticket % parts
+        first = part * (cache // width) * threads + tid
+        read_packed(y[urow], first, threads, n_vectors, ys, int32(0))
+        read_packed(dy[urow], first, threads, n_vectors, gs, int32(0))
+        acc = float32(0.0)
+        for k in range(cache):
+            g = unpack(gs, k, HALF_SHIFT)
+            acc += g if log else unpack(ys, k, HALF_SHIFT) * g
+        acc = block_sum(buf, acc)
+        if tid == 0:
+            stats[row * parts + part] = acc
+        _publish_and_wait(sync, row, parts)
+        acc = _summed_statistics(stats, row * parts, parts)
+        write_packed(dx[urow], first, threads, n_vectors, ys, gs, fresh_shift(slot), acc, float32(0.0))
+
+    return backward_split_packed
+
+
+@functools.cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _max_parts(device_index: int, size: int) -> int:
-    """Most parts a row of `size`-byte elements may be split into on this GPU: few enough
-    that they are always resident together (half the SMs, one block each), and at most
-    MAX_PARTS[size]."""
-    return min(MAX_PARTS[size], _multiprocessors(device_index) // 2)
+def _max_parts(device_index: int, held: int) -> int:
+    """Most parts a row may be split into on this GPU: few enough that they are always
+    resident together (half the SMs, one block each), and at most MAX_PARTS[held]."""
+    return min(MAX_PARTS[held], _multiprocessors(device_index) // 2)
 
 
-def _plan(n: int, caches, size: int, device=None):
+def _plan(n: int, caches, split_cache: int, held: int, device=None):
     """('cached' | 'split' | 'looping', threads per block, parts per row, elements per thread)
-    for rows of n elements of `size` bytes; `caches`: the elements per thread that a block
-    holding the whole row may take, fewest first."""
+    for rows of n elements that take `held` bytes each in registers; `caches`: the elements
+    per thread that a block holding the whole row may take, fewest first; `split_cache`: those
+    of a block holding a part of a row."""
     for cache in caches:
         threads = min(threads_for(n, cache), CACHED_THREADS)
         if n <= threads * cache:
             return "cached", threads, 1, cache
-    cache = caches[0]
+    cache = split_cache
     parts = -(-n // (SPLIT_THREADS * cache))
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if parts <= _max_parts(index, size):
+        if parts <= _max_parts(index, held):
             return "split", SPLIT_THREADS, parts, cache
     return "looping", threads_for(n, 8 * UNROLL), 1, cache
+
+
+def _held_bytes(fmt, width) -> int:
+    """Bytes an element takes in registers: 2 for 16-bit rows read in pairs (held as words), else 4."""
+    return 2 if PACK_16BIT and fmt != FP32 and width >= 2 else 4
 
 
 def _split_buffers(rows: int, parts: int, values_per_part: int, device):
@@ -361,29 +578,33 @@ def _split_buffers(rows: int, parts: int, values_per_part: int, device):
 
 def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
-    path, threads, parts, cache = plan or _plan(n, (CACHE,), x.element_size(), x.device)
     fmt, width, words = vector_views((x, out))
+    held = _held_bytes(fmt, width)
+    path, threads, parts, cache = plan or _plan(n, CACHE[held], SPLIT_CACHE[held], held, x.device)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        launch(_forward_split(fmt, width, log, cache), rows * parts, threads,
-               (*words, stats, sync, numpy.int64(parts)))
+        build = _forward_split_packed if held == 2 else _forward_split
+        launch(build(fmt, width, log, cache), rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
-        launch(_forward_cached(fmt, width, log, cache), rows, threads, words)
+        build = _forward_packed if held == 2 else _forward_cached
+        launch(build(fmt, width, log, cache), rows, threads, words)
     else:
         launch(_forward_looping(fmt, width, log, UNROLL), rows, threads, words)
 
 
 def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
-    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[y.element_size()], y.element_size(), y.device)
     fmt, width, words = vector_views((y, dy, dx))
+    held = _held_bytes(fmt, width)
+    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[held], SPLIT_CACHE_BWD[held], held, y.device)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
-        launch(_backward_split(fmt, width, log, cache), rows * parts, threads,
-               (*words, stats, sync, numpy.int64(parts)))
+        build = _backward_split_packed if held == 2 else _backward_split
+        launch(build(fmt, width, log, cache), rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
-        launch(_backward_cached(fmt, width, log, cache), rows, threads, words)
+        build = _backward_packed if held == 2 else _backward_cached
+        launch(build(fmt, width, log, cache), rows, threads, words)
     else:
         launch(_backward_looping(fmt, width, log, UNROLL), rows, threads, words)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for
+from .utils import interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for, widen
 
 # The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
 # backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
@@ -33,22 +33,34 @@ SPLIT_COUNTER_STRIDE = 32  # int32s between the per-row counters: one 128-byte l
 # chunk held in registers. Measured on an H200 (benchmarks/results/tuning/triton-split-stream-round*.txt): bf16 rows of
 # 131072 and 262144, 0.63 -> 0.69 of copy; float32 and pipelined loads (stages > 1) were slower.
 SPLIT_STREAM = {2: (8192, 2048, 4, 1)}
+# Paths whose programs hold 16-bit tiles or chunks as loaded, one register per two values, and widen them
+# to float32 again after each reduction (utils.widen_again) instead of keeping floats, two registers: the
+# row length (next power of 2) from which each does. Measured on an H200
+# (benchmarks/results/tuning/triton-raw-round*.txt), bf16 backward: 4096x32768 0.92 -> 0.99, 1024x131072
+# 0.79 -> 0.89, 512x262144 0.75 -> 0.87; shorter tiles 0.5 % slower. The forward tile and held-chunk split
+# were slower held as loaded (4096x32768 0.74 -> 0.63: two programs per SM, but each exponential twice).
+RAW_FROM = {"backward tile": 16384, "backward split": 0}
 
 
 @triton.jit
-def _fwd_tile_kernel(x_ptr, out_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr):
+def _fwd_tile_kernel(x_ptr, out_ptr, M, N, zero, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr,
+                     RAW: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
-    shifted = x - tl.max(x, axis=1)[:, None]
+    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf"))
+    row_max = tl.max(x.to(tl.float32), axis=1)[:, None]
+    shifted = widen(x, zero, RAW) - row_max
     e = tl.exp(shifted)
-    total = tl.sum(e, axis=1)
+    total = tl.sum(e, axis=1)[:, None]
+    if RAW:
+        shifted = widen(x, zero << 1, RAW) - row_max
+        e = tl.exp(shifted)
     if LOG:
-        y = shifted - tl.log(total)[:, None]
+        y = shifted - tl.log(total)
     else:
-        y = e * (1.0 / total)[:, None]
+        y = e * (1.0 / total)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -115,16 +127,16 @@ def _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2: tl.cons
 
 
 @triton.jit
-def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
+def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, zero, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr):
+                      COUNTER_STRIDE: tl.constexpr, RAW: tl.constexpr):
     row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
-    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
-    local_max = tl.max(x, axis=0)
+    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf"))
+    local_max = tl.max(x.to(tl.float32), axis=0)
     tl.store(max_ptr + ticket, local_max)
-    tl.store(sum_ptr + ticket, tl.sum(tl.exp(x - safe_shift(local_max)), axis=0))
+    tl.store(sum_ptr + ticket, tl.sum(tl.exp(widen(x, zero, RAW) - safe_shift(local_max)), axis=0))
     row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
-    shifted = x - row_max
+    shifted = widen(x, zero << 1, RAW) - row_max
     if LOG:
         y = shifted - tl.log(total)
     else:
@@ -167,17 +179,31 @@ def _fwd_split_stream_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chu
 
 
 @triton.jit
-def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr):
+def _gradient_total(y, dy, LOG: tl.constexpr, axis: tl.constexpr):
+    """The row term of the backward: sum(dy) for log_softmax, sum(y * dy) for softmax."""
+    if LOG:
+        return tl.sum(dy.to(tl.float32), axis=axis)
+    return tl.sum(y.to(tl.float32) * dy.to(tl.float32), axis=axis)
+
+
+@triton.jit
+def _gradient(y, dy, total, LOG: tl.constexpr):
+    if LOG:
+        return dy - tl.exp(y) * total
+    return y * (dy - total)
+
+
+@triton.jit
+def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, M, N, zero, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     LOG: tl.constexpr, RAW: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows[:, None] * N + cols[None, :]
-    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if LOG:
-        dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
-    else:
-        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    y = tl.load(y_ptr + offsets, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
+    total = _gradient_total(y, dy, LOG, axis=1)[:, None]
+    dx = _gradient(widen(y, zero, RAW), widen(dy, zero, RAW), total, LOG)
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -206,24 +232,18 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK: tl.constexpr, LOG: tl.cons
 
 
 @triton.jit
-def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
+def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, zero, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr):
+                      COUNTER_STRIDE: tl.constexpr, RAW: tl.constexpr):
     row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
-    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if LOG:
-        tl.store(sum_ptr + ticket, tl.sum(dy, axis=0))
-    else:
-        tl.store(sum_ptr + ticket, tl.sum(y * dy, axis=0))
+    y = tl.load(y_ptr + offsets, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
+    tl.store(sum_ptr + ticket, _gradient_total(y, dy, LOG, axis=0))
     _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
     parts = row * chunks + tl.arange(0, CHUNKS_P2)
     part_mask = tl.arange(0, CHUNKS_P2) < chunks
     total = tl.sum(tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True), axis=0)
-    if LOG:
-        dx = dy - tl.exp(y) * total
-    else:
-        dx = y * (dy - total)
+    dx = _gradient(widen(y, zero, RAW), widen(dy, zero, RAW), total, LOG)
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -247,6 +267,11 @@ def _split_config(x, N):
     return None
 
 
+def _held_raw(x, path, block):
+    """Whether this path holds x's 16-bit values as loaded for rows of `block` (RAW_FROM), not as floats."""
+    return x.element_size() == 2 and block >= RAW_FROM.get(path, float("inf"))
+
+
 def _split_counters(x, M):
     """Zeroed int32 counters: the ticket, then one per row, SPLIT_COUNTER_STRIDE apart."""
     return torch.zeros((M + 1) * SPLIT_COUNTER_STRIDE, device=x.device, dtype=torch.int32)
@@ -261,7 +286,8 @@ def forward(x, out, log):
     with on_device(x):
         if block <= FORWARD_TILE_MAX[x.element_size()]:
             rows = _tile_rows(x, block)
-            _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
+            _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, 0, ROWS=rows, BLOCK=block, LOG=log,
+                                                      RAW=_held_raw(x, "forward tile", block),
                                                       num_warps=warps_for(rows * block))
             return
         config = _split_config(x, N)
@@ -282,9 +308,9 @@ def forward(x, out, log):
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
         _fwd_split_kernel[(M * chunks,)](
-            x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
+            x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, 0, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(x, "forward split", block), num_warps=warps)
 
 
 def backward(y, dy, dx, log):
@@ -296,7 +322,8 @@ def backward(y, dy, dx, log):
     with on_device(y):
         if block <= BACKWARD_TILE_MAX[y.element_size()]:
             rows = _tile_rows(y, block)
-            _bwd_tile_kernel[(triton.cdiv(M, rows),)](y, dy, dx, M, N, ROWS=rows, BLOCK=block, LOG=log,
+            _bwd_tile_kernel[(triton.cdiv(M, rows),)](y, dy, dx, M, N, 0, ROWS=rows, BLOCK=block, LOG=log,
+                                                      RAW=_held_raw(y, "backward tile", block),
                                                       num_warps=warps_for(2 * rows * block))
             return
         config = _split_config(y, N)
@@ -307,6 +334,6 @@ def backward(y, dy, dx, log):
         chunks = triton.cdiv(N, chunk)
         sums = torch.empty(M * chunks, device=y.device, dtype=torch.float32)
         _bwd_split_kernel[(M * chunks,)](
-            y, dy, dx, sums, _split_counters(y, M), N, chunks, CHUNK=chunk,
+            y, dy, dx, sums, _split_counters(y, M), N, chunks, 0, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(y, "backward split", block), num_warps=warps)

@@ -55,3 +55,23 @@ def online_max(run_max, run_sum, block_max):
     # safe_shift(new_max), written out: through the helper the cross-entropy loop compiles differently
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)
     return new_max, shift, run_sum * tl.exp(run_max - shift)
+
+
+@triton.jit
+def widen_again(raw, opaque_zero):
+    """16-bit `raw` as float32, its bits first xor-ed with `opaque_zero`, a run-time 0 the compiler cannot
+    see through. A kernel that widens the same values in two passes would otherwise have the second
+    reuse the first's floats and keep them (two registers per pair of 16-bit values) between the passes;
+    this way it keeps the 16-bit values (one register per pair) and widens them again."""
+    bits = raw.to(tl.int16, bitcast=True) ^ opaque_zero.to(tl.int16)
+    return bits.to(raw.dtype, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def widen(held, opaque_zero, RAW: tl.constexpr):
+    """`held` (as loaded) as float32: with RAW through widen_again, so that a kernel holding 16-bit values
+    across a reduction keeps them as loaded; otherwise a plain conversion, which the compiler shares with
+    any other conversion of the same values."""
+    if RAW:
+        return widen_again(held, opaque_zero)
+    return held.to(tl.float32)

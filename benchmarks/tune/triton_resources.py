@@ -33,29 +33,37 @@ def configurations():
     for dtype in ("fp32", "bf16"):
         size = 4 if dtype == "fp32" else 2
         ptr = f"*{dtype}"
-        fwd = {"x_ptr": ptr, "out_ptr": ptr, "M": "i32", "N": "i32"}
-        bwd = {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "M": "i32", "N": "i32"}
+        fwd = {"x_ptr": ptr, "out_ptr": ptr, "M": "i32", "N": "i32", "zero": "i32"}
+        bwd = {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "M": "i32", "N": "i32", "zero": "i32"}
+        raws = (False, True) if size == 2 else (False,)
         for n in (1024, 4096, 32768):
             rows = max(1, softmax.TILE_ELEMENTS[size] // n)
-            found.append((f"softmax-fwd-tile-{dtype}-{n}", softmax._fwd_tile_kernel, fwd,
-                          {"ROWS": rows, "BLOCK": n, "LOG": False}, softmax.warps_for(rows * n)))
-            if n <= softmax.BACKWARD_TILE_MAX[size]:
-                found.append((f"softmax-bwd-tile-{dtype}-{n}", softmax._bwd_tile_kernel, bwd,
-                              {"ROWS": rows, "BLOCK": n, "LOG": False}, softmax.warps_for(2 * rows * n)))
+            for raw in raws:
+                tag = "-raw" if raw else ""
+                found.append((f"softmax-fwd-tile-{dtype}-{n}{tag}", softmax._fwd_tile_kernel, fwd,
+                              {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw}, softmax.warps_for(rows * n)))
+                if n <= softmax.BACKWARD_TILE_MAX[size]:
+                    found.append((f"softmax-bwd-tile-{dtype}-{n}{tag}", softmax._bwd_tile_kernel, bwd,
+                                  {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw},
+                                  softmax.warps_for(2 * rows * n)))
         chunk, warps = softmax.SPLIT_CONFIGS[0]
         split = {"CHUNK": chunk, "CHUNKS_P2": 64, "LOG": False, "TICKET": softmax.SPLIT_TICKET,
                  "COUNTER_STRIDE": softmax.SPLIT_COUNTER_STRIDE}
         stats = {"count_ptr": "*i32", "N": "i32", "chunks": "i32"}
-        found.append((f"softmax-fwd-split-{dtype}-{chunk}", softmax._fwd_split_kernel,
-                      {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
-                      split, warps))
+        held = {"count_ptr": "*i32", "N": "i32", "chunks": "i32", "zero": "i32"}
+        for raw in raws:
+            found.append((f"softmax-fwd-split-{dtype}-{chunk}{'-raw' if raw else ''}", softmax._fwd_split_kernel,
+                          {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **held},
+                          {**split, "RAW": raw}, warps))
         if size in softmax.SPLIT_STREAM:
             chunk_s, sub, warps_s, stages = softmax.SPLIT_STREAM[size]
             found.append((f"softmax-fwd-split-stream-{dtype}-{chunk_s}", softmax._fwd_split_stream_kernel,
                           {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
                           {**split, "CHUNK": chunk_s, "SUB": sub, "STAGES": stages}, warps_s))
-        found.append((f"softmax-bwd-split-{dtype}-{chunk}", softmax._bwd_split_kernel,
-                      {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "sum_ptr": "*fp32", **stats}, split, warps))
+        for raw in raws:
+            found.append((f"softmax-bwd-split-{dtype}-{chunk}{'-raw' if raw else ''}", softmax._bwd_split_kernel,
+                          {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "sum_ptr": "*fp32", **held},
+                          {**split, "RAW": raw}, warps))
         scalars = {"ignore_index": "i64", "keep": "fp32", "smooth_per_class": "fp32"}
         found.append((f"cross_entropy-fwd-loop-{dtype}", cross_entropy._fwd_loop_kernel,
                       {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "loss_ptr": "*fp32",
