@@ -63,12 +63,16 @@ def softmax_backward_magnitude(y: torch.Tensor, dy: torch.Tensor, dim: int, log:
 
 
 def _softmax_backward_terms(y, dy, dim, log):
+    """(the backward in float64, the size of its terms). The row sum it carries is only known to within
+    a rounding error that grows with what is summed (as its 2-norm, for sums taken in a tree), not with
+    the sum, which can cancel to near 0: the carried term's size counts the larger of the two."""
     y64, dy64 = y.detach().double(), dy.detach().double()
+    summed = dy64 if log else y64 * dy64
+    total = summed.sum(dim, keepdim=True)
+    size = torch.maximum(total.abs(), torch.linalg.vector_norm(summed, dim=dim, keepdim=True))
     if log:
-        carried = y64.exp() * dy64.sum(dim, keepdim=True)
-        return dy64 - carried, dy64.abs() + carried.abs()
-    total = (y64 * dy64).sum(dim, keepdim=True)
-    return y64 * (dy64 - total), y64.abs() * (dy64.abs() + total.abs())
+        return dy64 - y64.exp() * total, dy64.abs() + y64.exp() * size
+    return y64 * (dy64 - total), y64.abs() * (dy64.abs() + size)
 
 
 def reference_cross_entropy(logits, target, **kwargs) -> torch.Tensor:

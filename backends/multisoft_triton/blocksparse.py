@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import next_power_of_2, on_device, online_max, safe_shift, warps_for
+from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -81,7 +81,7 @@ def _fwd_tile_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_row
     x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
     row_max = tl.max(tl.max(x, axis=2), axis=0)
     safe_max = safe_shift(row_max)
-    e = tl.exp(x - safe_max[None, :, None])
+    e = fast_exp(x - safe_max[None, :, None])
     total = tl.sum(tl.sum(e, axis=2), axis=0)
     inverse = tl.where(total > 0.0, 1.0 / total, 0.0)
     y = e * inverse[None, :, None]
@@ -99,14 +99,14 @@ def _fwd_loop_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_row
                                            BLOCKS, ROWS, B)
         x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
         run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(tl.max(x, axis=2), axis=0))
-        run_sum += tl.sum(tl.sum(tl.exp(x - shift[None, :, None]), axis=2), axis=0)
+        run_sum += tl.sum(tl.sum(fast_exp(x - shift[None, :, None]), axis=2), axis=0)
     safe_max = safe_shift(run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
     for first in range(0, count, BLOCKS):
         offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first,
                                            BLOCKS, ROWS, B)
         x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
-        y = tl.exp(x - safe_max[None, :, None]) * inverse[None, :, None]
+        y = fast_exp(x - safe_max[None, :, None]) * inverse[None, :, None]
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -9,7 +9,7 @@ A target outside [0, C) that is not ignore_index is never loaded; its loss is Na
 import triton
 import triton.language as tl
 
-from .utils import next_power_of_2, on_device, online_max, safe_shift, warps_for
+from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for
 
 TILE_MAX = 8192
 TILE_ELEMENTS = 8192
@@ -52,7 +52,7 @@ def _fwd_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, M, C
     x = tl.load(logits_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
     row_max = tl.max(x, axis=1)
     safe_max = safe_shift(row_max)
-    lse = safe_max + tl.log(tl.sum(tl.exp(x - safe_max[:, None]), axis=1))
+    lse = safe_max + tl.log(tl.sum(fast_exp(x - safe_max[:, None]), axis=1))
     target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, rows, row_mask, C,
                                                      ignore_index, HAS_WEIGHT)
     x_target = tl.load(logits_ptr + rows * C + target, mask=row_mask & valid, other=0.0).to(tl.float32)
@@ -85,7 +85,7 @@ def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, C, i
         mask = start + cols < C
         x = tl.load(logits_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
         run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
-        run_sum += tl.sum(tl.exp(x - shift), axis=0)
+        run_sum += tl.sum(fast_exp(x - shift), axis=0)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -130,7 +130,7 @@ def _bwd_kernel(logits_ptr, target_ptr, weight_ptr, weight_sum_ptr, lse_ptr, gra
         weight_scale = smooth_per_class * grad_loss
         p_scale += weight_scale * total_weight
     x = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    p = tl.exp(x - lse[:, None])
+    p = fast_exp(x - lse[:, None])
     is_target = cols[None, :] == target[:, None]
     grad = p * p_scale[:, None] - tl.where(is_target, target_scale[:, None], 0.0)
     if SMOOTH:

@@ -9,6 +9,9 @@ Three paths, chosen by the row length N:
   so each element is still read and written once. The 16-bit forward streams
   its chunks instead and reads them twice, the second time mostly from L2
   (SPLIT_STREAM).
+
+The 16-bit backward holds long rows' values as loaded rather than as floats
+(RAW_FROM), half the registers.
 - loop: one program per row streams it twice (statistics, then output); any
   length. The interpreter takes it for long rows, since its programs run one
   after another and cannot wait for each other.
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for, widen
+from .utils import fast_exp, interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for, widen
 
 # The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
 # backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
@@ -33,34 +36,29 @@ SPLIT_COUNTER_STRIDE = 32  # int32s between the per-row counters: one 128-byte l
 # chunk held in registers. Measured on an H200 (benchmarks/results/tuning/triton-split-stream-round*.txt): bf16 rows of
 # 131072 and 262144, 0.63 -> 0.69 of copy; float32 and pipelined loads (stages > 1) were slower.
 SPLIT_STREAM = {2: (8192, 2048, 4, 1)}
-# Paths whose programs hold 16-bit tiles or chunks as loaded, one register per two values, and widen them
-# to float32 again after each reduction (utils.widen_again) instead of keeping floats, two registers: the
-# row length (next power of 2) from which each does. Measured on an H200
-# (benchmarks/results/tuning/triton-raw-round*.txt), bf16 backward: 4096x32768 0.92 -> 0.99, 1024x131072
-# 0.79 -> 0.89, 512x262144 0.75 -> 0.87; shorter tiles 0.5 % slower. The forward tile and held-chunk split
-# were slower held as loaded (4096x32768 0.74 -> 0.63: two programs per SM, but each exponential twice).
+# The backward paths whose programs hold 16-bit tiles or chunks as loaded, one register per two values,
+# and widen them to float32 again after the row's reduction (utils.widen_again) instead of keeping floats,
+# two registers: the row length (next power of 2) from which each does. Measured on an H200
+# (benchmarks/results/tuning/triton-raw-round*.txt), bf16: 4096x32768 0.92 -> 0.99, 1024x131072
+# 0.79 -> 0.89, 512x262144 0.75 -> 0.87; shorter tiles 0.5 % slower. Forward tiles and held chunks were
+# slower held as loaded (4096x32768 0.74 -> 0.63, log_softmax too: twice the instructions per element).
 RAW_FROM = {"backward tile": 16384, "backward split": 0}
 
 
 @triton.jit
-def _fwd_tile_kernel(x_ptr, out_ptr, M, N, zero, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr,
-                     RAW: tl.constexpr):
+def _fwd_tile_kernel(x_ptr, out_ptr, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf"))
-    row_max = tl.max(x.to(tl.float32), axis=1)[:, None]
-    shifted = widen(x, zero, RAW) - row_max
-    e = tl.exp(shifted)
-    total = tl.sum(e, axis=1)[:, None]
-    if RAW:
-        shifted = widen(x, zero << 1, RAW) - row_max
-        e = tl.exp(shifted)
+    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
+    shifted = x - tl.max(x, axis=1)[:, None]
+    e = fast_exp(shifted)
+    total = tl.sum(e, axis=1)
     if LOG:
-        y = shifted - tl.log(total)
+        y = shifted - tl.log(total)[:, None]
     else:
-        y = e * (1.0 / total)
+        y = e * (1.0 / total)[:, None]
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,7 +72,7 @@ def _fwd_loop_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
         mask = start + cols < N
         x = tl.load(x_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
         run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
-        run_sum += tl.sum(tl.exp(x - shift), axis=0)
+        run_sum += tl.sum(fast_exp(x - shift), axis=0)
     log_sum = tl.log(run_sum)
     inverse = 1.0 / run_sum
     for start in range(0, N, BLOCK):
@@ -84,7 +82,7 @@ def _fwd_loop_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
         if LOG:
             y = shifted - log_sum
         else:
-            y = tl.exp(shifted) * inverse
+            y = fast_exp(shifted) * inverse
         tl.store(out_ptr + row_start + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -123,24 +121,24 @@ def _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2: tl.cons
     part_max = tl.load(max_ptr + parts, mask=part_mask, other=-float("inf"), volatile=True)
     part_sum = tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True)
     row_max = tl.max(part_max, axis=0)
-    return row_max, tl.sum(part_sum * tl.exp(part_max - safe_shift(row_max)), axis=0)
+    return row_max, tl.sum(part_sum * fast_exp(part_max - safe_shift(row_max)), axis=0)
 
 
 @triton.jit
-def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, zero, CHUNK: tl.constexpr,
+def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr, RAW: tl.constexpr):
+                      COUNTER_STRIDE: tl.constexpr):
     row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
-    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf"))
-    local_max = tl.max(x.to(tl.float32), axis=0)
+    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
+    local_max = tl.max(x, axis=0)
     tl.store(max_ptr + ticket, local_max)
-    tl.store(sum_ptr + ticket, tl.sum(tl.exp(widen(x, zero, RAW) - safe_shift(local_max)), axis=0))
+    tl.store(sum_ptr + ticket, tl.sum(fast_exp(x - safe_shift(local_max)), axis=0))
     row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
-    shifted = widen(x, zero << 1, RAW) - row_max
+    shifted = x - row_max
     if LOG:
         y = shifted - tl.log(total)
     else:
-        y = tl.exp(shifted) * (1.0 / total)
+        y = fast_exp(shifted) * (1.0 / total)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -160,7 +158,7 @@ def _fwd_split_stream_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chu
         x = tl.load(x_ptr + row_start + start + cols, mask=start + cols < N, other=-float("inf"),
                     eviction_policy="evict_last").to(tl.float32)
         run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
-        run_sum += tl.sum(tl.exp(x - shift), axis=0)
+        run_sum += tl.sum(fast_exp(x - shift), axis=0)
     tl.store(max_ptr + ticket, run_max)
     tl.store(sum_ptr + ticket, run_sum)
     row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
@@ -174,7 +172,7 @@ def _fwd_split_stream_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chu
         if LOG:
             y = shifted - log_total
         else:
-            y = tl.exp(shifted) * inverse
+            y = fast_exp(shifted) * inverse
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -189,7 +187,7 @@ def _gradient_total(y, dy, LOG: tl.constexpr, axis: tl.constexpr):
 @triton.jit
 def _gradient(y, dy, total, LOG: tl.constexpr):
     if LOG:
-        return dy - tl.exp(y) * total
+        return dy - fast_exp(y) * total
     return y * (dy - total)
 
 
@@ -224,10 +222,7 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK: tl.constexpr, LOG: tl.cons
         mask = start + cols < N
         y = tl.load(y_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if LOG:
-            dx = dy - tl.exp(y) * total
-        else:
-            dx = y * (dy - total)
+        dx = _gradient(y, dy, total, LOG)
         tl.store(dx_ptr + row_start + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -286,8 +281,7 @@ def forward(x, out, log):
     with on_device(x):
         if block <= FORWARD_TILE_MAX[x.element_size()]:
             rows = _tile_rows(x, block)
-            _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, 0, ROWS=rows, BLOCK=block, LOG=log,
-                                                      RAW=_held_raw(x, "forward tile", block),
+            _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
                                                       num_warps=warps_for(rows * block))
             return
         config = _split_config(x, N)
@@ -308,9 +302,9 @@ def forward(x, out, log):
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
         _fwd_split_kernel[(M * chunks,)](
-            x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, 0, CHUNK=chunk,
+            x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(x, "forward split", block), num_warps=warps)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
 
 
 def backward(y, dy, dx, log):

@@ -33,15 +33,15 @@ def configurations():
     for dtype in ("fp32", "bf16"):
         size = 4 if dtype == "fp32" else 2
         ptr = f"*{dtype}"
-        fwd = {"x_ptr": ptr, "out_ptr": ptr, "M": "i32", "N": "i32", "zero": "i32"}
+        fwd = {"x_ptr": ptr, "out_ptr": ptr, "M": "i32", "N": "i32"}
         bwd = {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "M": "i32", "N": "i32", "zero": "i32"}
         raws = (False, True) if size == 2 else (False,)
         for n in (1024, 4096, 32768):
             rows = max(1, softmax.TILE_ELEMENTS[size] // n)
+            found.append((f"softmax-fwd-tile-{dtype}-{n}", softmax._fwd_tile_kernel, fwd,
+                          {"ROWS": rows, "BLOCK": n, "LOG": False}, softmax.warps_for(rows * n)))
             for raw in raws:
                 tag = "-raw" if raw else ""
-                found.append((f"softmax-fwd-tile-{dtype}-{n}{tag}", softmax._fwd_tile_kernel, fwd,
-                              {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw}, softmax.warps_for(rows * n)))
                 if n <= softmax.BACKWARD_TILE_MAX[size]:
                     found.append((f"softmax-bwd-tile-{dtype}-{n}{tag}", softmax._bwd_tile_kernel, bwd,
                                   {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw},
@@ -51,10 +51,9 @@ def configurations():
                  "COUNTER_STRIDE": softmax.SPLIT_COUNTER_STRIDE}
         stats = {"count_ptr": "*i32", "N": "i32", "chunks": "i32"}
         held = {"count_ptr": "*i32", "N": "i32", "chunks": "i32", "zero": "i32"}
-        for raw in raws:
-            found.append((f"softmax-fwd-split-{dtype}-{chunk}{'-raw' if raw else ''}", softmax._fwd_split_kernel,
-                          {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **held},
-                          {**split, "RAW": raw}, warps))
+        found.append((f"softmax-fwd-split-{dtype}-{chunk}", softmax._fwd_split_kernel,
+                      {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
+                      split, warps))
         if size in softmax.SPLIT_STREAM:
             chunk_s, sub, warps_s, stages = softmax.SPLIT_STREAM[size]
             found.append((f"softmax-fwd-split-stream-{dtype}-{chunk_s}", softmax._fwd_split_stream_kernel,
