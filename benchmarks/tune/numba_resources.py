@@ -1,0 +1,118 @@
+"""Registers and spills of the numba softmax kernels, compiled for a GPU without one.
+
+numba compiles a kernel to PTX for any compute capability without a device; the ptxas of pip's CUDA
+compiler package (nvidia-cuda-nvcc, under site-packages/nvidia/cu*/bin, or one on PATH that reads
+numba's PTX version) assembles it and reports registers and spill bytes. The kernels are compiled at
+the launch bound the backend gives them (1024 threads, so at most 64 registers).
+
+    python3 benchmarks/tune/numba_resources.py            # every configuration, sm_90
+
+Run it without NUMBA_ENABLE_CUDASIM. numba compiles device functions for the current device's compute
+capability; with no device this script answers that question itself (see _pretend_device).
+"""
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numba
+
+
+def _pretend_device(cc):
+    """numba asks the current device for the compute capability of device functions; without a GPU
+    there is none, so the dispatcher is told `cc` (this process compiles only, it launches nothing)."""
+    import numba.cuda.dispatcher as dispatcher
+
+    class Device:
+        compute_capability = cc
+
+    dispatcher.get_current_device = lambda: Device()
+
+
+def find_ptxas():
+    candidates = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(numba.__file__)),
+                                               "nvidia", "cu*", "bin", "ptxas")), reverse=True)
+    return candidates[0] if candidates else shutil.which("ptxas")
+
+
+def configurations():
+    """(name, kernel, argument types, launch bound) for the softmax kernels of the benchmark shapes."""
+    from numba import types
+
+    from multisoft_numba import softmax
+    from multisoft_numba._device import BF16, FP32
+    from multisoft_numba._glue import MAX_THREADS
+
+    rows = {FP32: types.Array(types.float32, 2, "C"), BF16: types.Array(types.int32, 2, "C")}
+    stats = (types.Array(types.float32, 1, "C"), types.Array(types.int32, 1, "C"), types.int64)
+    found = []
+    for fmt, name, width, held in ((FP32, "fp32", 4, 4), (BF16, "bf16", 8, 2), (BF16, "bf16-floats", 8, 4)):
+        arr = rows[fmt]
+        packed = held == 2
+        for cache in softmax.CACHE[held]:
+            build = softmax._forward_packed if packed else softmax._forward_cached
+            found.append((f"fwd-cached-{name}-{cache}", build(fmt, width, False, cache), (arr, arr), MAX_THREADS))
+        for cache in softmax.CACHE_BWD[held]:
+            build = softmax._backward_packed if packed else softmax._backward_cached
+            found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, arr),
+                          MAX_THREADS))
+        cache = softmax.SPLIT_CACHE[held]
+        build = softmax._forward_split_packed if packed else softmax._forward_split
+        found.append((f"fwd-split-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, *stats),
+                      MAX_THREADS))
+        cache = softmax.SPLIT_CACHE_BWD[held]
+        build = softmax._backward_split_packed if packed else softmax._backward_split
+        found.append((f"bwd-split-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, arr, *stats),
+                      MAX_THREADS))
+    return found
+
+
+def report(kernel, argtypes, cc, ptxas, bound):
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bound)
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as handle:
+            handle.write(ptx)
+        arch = f"-arch=sm_{cc[0]}{cc[1]}"
+        out = subprocess.run([ptxas, arch, "-v", source, "-o", os.path.join(folder, "kernel.o")],
+                             capture_output=True, text=True)
+    text = out.stderr + out.stdout
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if registers is None or spills is None:
+        raise RuntimeError(f"ptxas said: {text.strip()[-400:]}")
+    return int(registers.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (default 90)")
+    parser.add_argument("--only", default="", help="names containing this")
+    args = parser.parse_args(argv)
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        print("unset NUMBA_ENABLE_CUDASIM: the simulator compiles nothing", file=sys.stderr)
+        return 2
+    ptxas = find_ptxas()
+    if ptxas is None:
+        print("no ptxas: pip install nvidia-cuda-nvcc (the CUDA compiler package)", file=sys.stderr)
+        return 2
+    cc = (args.arch // 10, args.arch % 10)
+    _pretend_device(cc)
+    print(f"numba-cuda, sm_{args.arch}, {ptxas}")
+    print(f"{'configuration':28} {'bound':>5} {'regs':>4} {'spill stores':>12} {'spill loads':>11}")
+    for name, kernel, argtypes, bound in configurations():
+        if args.only not in name:
+            continue
+        registers, stores, loads = report(kernel, argtypes, cc, ptxas, bound)
+        print(f"{name:28} {bound:5d} {registers:4d} {stores:12d} {loads:11d}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
