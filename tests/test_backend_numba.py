@@ -202,8 +202,12 @@ def test_launches_on_the_current_non_default_stream():
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", ["split", "looping"])
-def test_long_row_paths_with_a_masked_part(dtype, path):
+@pytest.mark.parametrize("keep_exp", [False, True], ids=["recompute", "keep"])
+def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
     from multisoft_numba import softmax
+    if keep_exp and (dtype != torch.float32 or path != "split"):
+        pytest.skip("SPLIT_KEEP_EXP is a setting of the float32 split forward only")
+    monkeypatch.setattr(softmax, "SPLIT_KEEP_EXP", keep_exp)
     n = 262_144
     x = (torch.randn(3, n, device=DEVICE) * 3).to(dtype)
     x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path

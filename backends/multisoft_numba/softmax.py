@@ -49,6 +49,9 @@ MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
 PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
 SPLIT_THREADS = 256   # several blocks per SM, so one's loads overlap another's waiting
+# The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
+# exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
+SPLIT_KEEP_EXP = False
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
 
 
@@ -376,7 +379,9 @@ def _summed_statistics(stats, at, parts):
 
 
 @functools.cache
-def _forward_split(fmt, width, log, cache):
+def _forward_split(fmt, width, log, cache, keep):
+    """keep (softmax only): hold exp(x - part max) between the passes and rescale it, one exponential
+    per element; otherwise hold x and take the exponential again (see SPLIT_KEEP_EXP)."""
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
@@ -398,8 +403,8 @@ def _forward_split(fmt, width, log, cache):
         part_m = block_max(buf, m)
         s = float32(0.0)
         if part_m != NEG_INF:
-            s = _exp_sum(vals, part_m, not log)   # softmax keeps exp(x - part_m), rescaled below
-        elif not log:
+            s = _exp_sum(vals, part_m, keep)
+        elif keep:
             for k in range(cache):
                 vals[k] = float32(0.0)
         s = block_sum(buf, s)
@@ -411,10 +416,13 @@ def _forward_split(fmt, width, log, cache):
         m, s = _merged_statistics(stats, row * 2 * parts, parts)
         if log:
             _normalise(vals, m, s, True)
-        else:
+        elif keep:
             scale = expf(part_m - m) / s
             for k in range(cache):
                 vals[k] = vals[k] * scale
+        else:
+            _exp_sum(vals, m, True)
+            _normalise(vals, m, s, False)
         write_vectors(out[uint64(row)], first, threads, n_vectors, vals)
 
     return forward_split
@@ -584,8 +592,9 @@ def forward(x, out, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        build = _forward_split_packed if held == 2 else _forward_split
-        launch(build(fmt, width, log, cache), rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
+        kernel_ = (_forward_split_packed(fmt, width, log, cache) if held == 2 else
+                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP))
+        launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached
         launch(build(fmt, width, log, cache), rows, threads, words)
