@@ -263,6 +263,38 @@ def _packed_writer(fmt, width, cache, formula):
     return write_packed
 
 
+@functools.cache
+def _packed_reductions(fmt, width, cache):
+    """(row_max(raw), exp_sum(raw, m, shift), dot(ys, gs, log)) over this thread's packed elements: the
+    packed twins of the max loop, _exp_sum (without keep) and _dot. row_max and dot unpack with the
+    constant HALF_SHIFT (the first pass), exp_sum with the caller's `shift` (see _device.packed_io)."""
+    _, unpack = packed_io(fmt, width, cache // width)
+
+    @device_function
+    def row_max(raw):
+        m = NEG_INF
+        for k in range(cache):
+            m = nan_max(m, unpack(raw, k, HALF_SHIFT))
+        return m
+
+    @device_function
+    def exp_sum(raw, m, shift):
+        s = float32(0.0)
+        for k in range(cache):
+            s += expf(unpack(raw, k, shift) - m)
+        return s
+
+    @device_function
+    def dot(ys, gs, log):
+        acc = float32(0.0)
+        for k in range(cache):
+            g = unpack(gs, k, HALF_SHIFT)
+            acc += g if log else unpack(ys, k, HALF_SHIFT) * g
+        return acc
+
+    return row_max, exp_sum, dot
+
+
 @device_function
 def _output_parameter(s, log):
     """What the output formula takes besides the max: log(sum) for log_softmax, 1 / sum for softmax."""
@@ -272,7 +304,8 @@ def _output_parameter(s, log):
 @functools.cache
 def _forward_packed(fmt, width, log, cache):
     """forward_cached for 16-bit rows held as words."""
-    read_packed, unpack = packed_io(fmt, width, cache // width)
+    read_packed, _ = packed_io(fmt, width, cache // width)
+    row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
@@ -289,15 +322,8 @@ def _forward_packed(fmt, width, log, cache):
         raw = cuda.local.array(held_words, int32)
         share_shift(slot)
         read_packed(x[row], tid, threads, n_vectors, raw, pad)
-        m = NEG_INF
-        for k in range(cache):
-            m = nan_max(m, unpack(raw, k, HALF_SHIFT))
-        m = block_max(buf, m)
-        shift = fresh_shift(slot)
-        s = float32(0.0)
-        for k in range(cache):
-            s += expf(unpack(raw, k, shift) - m)
-        s = block_sum(buf, s)
+        m = block_max(buf, row_max(raw))
+        s = block_sum(buf, exp_sum(raw, m, fresh_shift(slot)))
         write_packed(out[row], tid, threads, n_vectors, raw, raw, fresh_shift(slot), m, _output_parameter(s, log))
 
     return forward_packed
@@ -306,7 +332,8 @@ def _forward_packed(fmt, width, log, cache):
 @functools.cache
 def _backward_packed(fmt, width, log, cache):
     """backward_cached for 16-bit rows held as words."""
-    read_packed, unpack = packed_io(fmt, width, cache // width)
+    read_packed, _ = packed_io(fmt, width, cache // width)
+    _, _, dot = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_gradient if log else _softmax_gradient)
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
@@ -324,11 +351,7 @@ def _backward_packed(fmt, width, log, cache):
         share_shift(slot)
         read_packed(y[row], tid, threads, n_vectors, ys, int32(0))
         read_packed(dy[row], tid, threads, n_vectors, gs, int32(0))
-        acc = float32(0.0)
-        for k in range(cache):
-            g = unpack(gs, k, HALF_SHIFT)
-            acc += g if log else unpack(ys, k, HALF_SHIFT) * g
-        acc = block_sum(buf, acc)
+        acc = block_sum(buf, dot(ys, gs, log))
         write_packed(dx[row], tid, threads, n_vectors, ys, gs, fresh_shift(slot), acc, float32(0.0))
 
     return backward_packed
@@ -462,7 +485,8 @@ def _backward_split(fmt, width, log, cache):
 @functools.cache
 def _forward_split_packed(fmt, width, log, cache):
     """forward_split for 16-bit rows held as words."""
-    read_packed, unpack = packed_io(fmt, width, cache // width)
+    read_packed, _ = packed_io(fmt, width, cache // width)
+    row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
@@ -482,15 +506,10 @@ def _forward_split_packed(fmt, width, log, cache):
         part = ticket % parts
         first = part * (cache // width) * threads + tid
         read_packed(x[uint64(row)], first, threads, n_vectors, raw, pad)
-        m = NEG_INF
-        for k in range(cache):
-            m = nan_max(m, unpack(raw, k, HALF_SHIFT))
-        part_m = block_max(buf, m)
+        part_m = block_max(buf, row_max(raw))
         s = float32(0.0)
         if part_m != NEG_INF:
-            shift = fresh_shift(slot)
-            for k in range(cache):
-                s += expf(unpack(raw, k, shift) - part_m)
+            s = exp_sum(raw, part_m, fresh_shift(slot))
         s = block_sum(buf, s)
         at = row * 2 * parts + part
         if tid == 0:
@@ -507,7 +526,8 @@ def _forward_split_packed(fmt, width, log, cache):
 @functools.cache
 def _backward_split_packed(fmt, width, log, cache):
     """backward_split for 16-bit rows held as words."""
-    read_packed, unpack = packed_io(fmt, width, cache // width)
+    read_packed, _ = packed_io(fmt, width, cache // width)
+    _, _, dot = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_gradient if log else _softmax_gradient)
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
@@ -529,11 +549,7 @@ def _backward_split_packed(fmt, width, log, cache):
         first = part * (cache // width) * threads + tid
         read_packed(y[urow], first, threads, n_vectors, ys, int32(0))
         read_packed(dy[urow], first, threads, n_vectors, gs, int32(0))
-        acc = float32(0.0)
-        for k in range(cache):
-            g = unpack(gs, k, HALF_SHIFT)
-            acc += g if log else unpack(ys, k, HALF_SHIFT) * g
-        acc = block_sum(buf, acc)
+        acc = block_sum(buf, dot(ys, gs, log))
         if tid == 0:
             stats[row * parts + part] = acc
         _publish_and_wait(sync, row, parts)
