@@ -9,18 +9,19 @@ Three paths, chosen by the row length N:
   so each element is still read and written once. The 16-bit forward streams
   its chunks instead and reads them twice, the second time mostly from L2
   (SPLIT_STREAM).
-
-The 16-bit backward holds long rows' values as loaded rather than as floats
-(RAW_FROM), half the registers.
 - loop: one program per row streams it twice (statistics, then output); any
   length. The interpreter takes it for long rows, since its programs run one
   after another and cannot wait for each other.
+
+The 16-bit backward holds long rows' values as loaded rather than as floats
+(RAW_FROM), half the registers.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .utils import fast_exp, interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for, widen
+from .utils import (fast_exp, interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for,
+                    widen)
 
 # The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
 # backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
