@@ -87,22 +87,20 @@ def test_cross_entropy_backward_in_place():
 
 
 @needs_kernels
-@pytest.mark.parametrize("parts", [True, False], ids=["parts", "loop"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_cross_entropy_long_rows_in_parts_or_one_loop(parts, weighted, smoothing, monkeypatch):
-    """Rows past the tile, cut into parts combined by a second kernel or streamed by one program, with a
-    part of -inf only, scattered -inf logits, an ignored row and a last part that is mostly masked."""
+def test_cross_entropy_long_rows(weighted, smoothing):
+    """Rows past the tile, streamed by one program with an online logsumexp: a first block of -inf only,
+    scattered -inf logits, an ignored row and a last block that is mostly masked."""
     from multisoft.check import error_ratio, reference_cross_entropy
     from multisoft_triton import cross_entropy
 
-    rows, classes = 5, 3 * cross_entropy.PART_BLOCK + 5
+    rows, classes = 5, 3 * cross_entropy.LOOP_BLOCK + 5
     assert classes > cross_entropy.TILE_MAX
-    monkeypatch.setattr(cross_entropy, "PARTS_FROM", classes if parts else None)
     logits = torch.randn(rows, classes, device=DEVICE) * 3
-    logits[1, : cross_entropy.PART_BLOCK] = float("-inf")
+    logits[1, : cross_entropy.LOOP_BLOCK] = float("-inf")
     logits[3, ::11] = float("-inf")
-    target = torch.tensor([7, classes - 1, -100, 12, 2 * cross_entropy.PART_BLOCK], device=DEVICE)
+    target = torch.tensor([7, classes - 1, -100, 12, 2 * cross_entropy.LOOP_BLOCK], device=DEVICE)
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
     loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
     cross_entropy.forward(logits, target, weight, loss, lse, -100, smoothing)

@@ -1,16 +1,11 @@
 """Cross-entropy with class-index targets, weights, ignore_index and label smoothing.
 
 forward reads each logit once and keeps O(rows) state (lse, loss): short rows
-share a program as one tile; long rows are cut into parts whose programs each
-write their part's statistics (max, sum of exponentials, and for label smoothing
-the weighted logits), combined per row by a second small kernel. No program
-waits for another, so the interpreter runs this path too. PARTS_FROM = None
-streams each long row through one program instead (an online logsumexp).
-backward is elementwise given lse, so it tiles (rows, columns)
+share a program as one tile, long rows are streamed once with an online
+logsumexp. backward is elementwise given lse, so it tiles (rows, columns)
 freely and reads and writes each logit once (grad_logits may be the logits).
 A target outside [0, C) that is not ignore_index is never loaded; its loss is NaN.
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -21,12 +16,6 @@ TILE_ELEMENTS = 8192
 LOOP_BLOCK = 16384  # columns a long row's forward program loads at once
 LOOP_WARPS = 8
 LOOP_STAGES = None  # loads in flight per program (2+: pipelined through shared memory; None: triton decides)
-# Rows from this many columns are cut into parts of PART_BLOCK columns, PART_WARPS warps a program.
-PARTS_FROM = 16385
-PART_BLOCK = 4096
-PART_WARPS = 4
-MAX_PARTS = 4096  # more (rows past 16M columns) take the loop, as one program combines a row's parts
-COMBINE_ELEMENTS = 2048  # part statistics one combining program reads
 BACKWARD_BLOCK = 8192  # columns (and elements) of one backward program; 8192 measured best on the H200
 
 
@@ -117,59 +106,6 @@ def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, C, i
 
 
 @triton.jit
-def _fwd_part_kernel(logits_ptr, weight_ptr, part_ptr, C, parts, BLOCK: tl.constexpr, STATS: tl.constexpr,
-                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
-    """One part of a row: its max, the sum of exp(x - shift) and, for label smoothing, sum(w * (x - shift))
-    and sum(w), where shift is the max, or 0 for a part of -inf only; the STATS values of (row, part) are
-    consecutive in part_ptr."""
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    cols = part * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < C
-    x = tl.load(logits_ptr + row * C + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    part_max = tl.max(x, axis=0)
-    shift = safe_shift(part_max)
-    stats = part_ptr + (row * parts + part) * STATS
-    tl.store(stats, part_max)
-    tl.store(stats + 1, tl.sum(fast_exp(x - shift), axis=0))
-    if SMOOTH:
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        else:
-            w = tl.where(mask, 1.0, 0.0)
-        tl.store(stats + 2, tl.sum(tl.where(mask, w * (x - shift), 0.0), axis=0))
-        tl.store(stats + 3, tl.sum(w, axis=0))
-
-
-@triton.jit
-def _fwd_combine_kernel(logits_ptr, target_ptr, weight_ptr, part_ptr, loss_ptr, lse_ptr, M, C, parts, ignore_index,
-                        keep, smooth_per_class, ROWS: tl.constexpr, PARTS: tl.constexpr, STATS: tl.constexpr,
-                        HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
-    """lse and loss of ROWS rows from their parts' statistics (_fwd_part_kernel)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < M
-    mask = row_mask[:, None] & (tl.arange(0, PARTS)[None, :] < parts)
-    stats = part_ptr + (rows[:, None] * parts + tl.arange(0, PARTS)[None, :]) * STATS
-    part_max = tl.load(stats, mask=mask, other=-float("inf"))
-    part_sum = tl.load(stats + 1, mask=mask, other=0.0)
-    row_max = tl.max(part_max, axis=1)
-    safe_max = safe_shift(row_max)
-    lse = safe_max + tl.log(tl.sum(part_sum * fast_exp(part_max - safe_max[:, None]), axis=1))
-    target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, rows, row_mask, C,
-                                                     ignore_index, HAS_WEIGHT)
-    x_target = tl.load(logits_ptr + rows * C + target, mask=row_mask & valid, other=0.0).to(tl.float32)
-    smooth = tl.zeros((ROWS,), tl.float32)
-    if SMOOTH:
-        # sum over the row of w * (lse - x), part by part: W * (lse - part shift) - sum(w * (x - part shift))
-        shifted = tl.load(stats + 2, mask=mask, other=0.0)
-        weights = tl.load(stats + 3, mask=mask, other=0.0)
-        smooth = tl.sum(weights * (lse[:, None] - safe_shift(part_max)) - shifted, axis=1)
-    loss = _row_loss(lse - x_target, smooth, ignored, valid, target_weight, keep, smooth_per_class, SMOOTH)
-    tl.store(lse_ptr + rows, lse, mask=row_mask)
-    tl.store(loss_ptr + rows, loss, mask=row_mask)
-
-
-@triton.jit
 def _bwd_kernel(logits_ptr, target_ptr, weight_ptr, weight_sum_ptr, lse_ptr, grad_loss_ptr, grad_ptr,
                 M, C, ignore_index, keep, smooth_per_class, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
@@ -228,18 +164,6 @@ def forward(logits, target, weight, loss, lse, ignore_index, label_smoothing):
                 logits, target, weight_arg, loss, lse, M, C, int(ignore_index), keep, smooth_per_class,
                 ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth,
                 num_warps=warps_for(rows * block))
-        elif PARTS_FROM is not None and C >= PARTS_FROM and triton.cdiv(C, PART_BLOCK) <= MAX_PARTS:
-            parts = triton.cdiv(C, PART_BLOCK)
-            stats = 4 if smooth else 2
-            part_stats = torch.empty(M * parts * stats, device=logits.device, dtype=torch.float32)
-            _fwd_part_kernel[(M, parts)](logits, weight_arg, part_stats, C, parts, BLOCK=PART_BLOCK, STATS=stats,
-                                         HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=PART_WARPS)
-            parts_p2 = next_power_of_2(parts)
-            rows = max(1, min(COMBINE_ELEMENTS // parts_p2, next_power_of_2(M)))
-            _fwd_combine_kernel[(triton.cdiv(M, rows),)](
-                logits, target, weight_arg, part_stats, loss, lse, M, C, parts, int(ignore_index), keep,
-                smooth_per_class, ROWS=rows, PARTS=parts_p2, STATS=stats, HAS_WEIGHT=has_weight, SMOOTH=smooth,
-                num_warps=warps_for(rows * parts_p2))
         else:
             _fwd_loop_kernel[(M,)](
                 logits, target, weight_arg, loss, lse, C, int(ignore_index), keep, smooth_per_class,
