@@ -234,18 +234,14 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("min_blocks", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_packed_16bit_rows_on_every_path_and_cache(dtype, min_blocks, monkeypatch):
+def test_packed_16bit_rows_on_every_path_and_cache(dtype):
     """16-bit rows held as words (PACK_16BIT): the cached and split paths at several elements per
     thread, rows in vectors of 8 and of 2, ragged ends, a row of -inf only, a NaN, every third entry
-    -inf; forward and backward against float64; the cached forward compiled for 1 and 2 blocks of
-    1024 threads a multiprocessor."""
+    -inf; forward and backward against float64."""
     from multisoft.check import error_ratio, softmax_backward_magnitude
     from multisoft_numba import softmax
     from multisoft_numba._glue import threads_for, vector_views
-
-    monkeypatch.setattr(softmax, "PACKED_FORWARD_MIN_BLOCKS", min_blocks)
 
     half_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count // 2
     checked = 0

@@ -61,21 +61,11 @@ MAX_THREADS = 16 if SIMULATOR else 1024
 MIN_THREADS = 4 if SIMULATOR else 32
 
 
-def kernel(func=None, *, min_blocks=1):
-    """cuda.jit for a kernel: cached on disk, register use bounded for 1024-thread blocks, `min_blocks`
-    of them on one multiprocessor (2: at most 32 registers a thread).
-
-    numba's disk cache tells kernels apart by code, closure and qualified name, not by launch bounds:
-    a kernel bounded otherwise gets the bound in its name, so as not to load another bound's binary."""
-    def build(func):
-        if SIMULATOR:
-            return cuda.jit(func)
-        if min_blocks == 1:
-            return cuda.jit(cache=True, launch_bounds=MAX_THREADS)(func)
-        func.__qualname__ += f"_min_blocks_{min_blocks}"
-        return cuda.jit(cache=True, launch_bounds=(MAX_THREADS, min_blocks))(func)
-
-    return build if func is None else build(func)
+def kernel(func):
+    """cuda.jit for a kernel: cached on disk, register use bounded for 1024-thread blocks."""
+    if SIMULATOR:
+        return cuda.jit(func)
+    return cuda.jit(cache=True, launch_bounds=MAX_THREADS)(func)
 
 
 def device_function(func):

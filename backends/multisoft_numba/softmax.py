@@ -52,10 +52,6 @@ SPLIT_THREADS = 256   # several blocks per SM, so one's loads overlap another's 
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
-# Blocks of 1024 threads that the packed cached forward is compiled to fit on one multiprocessor: 2 caps
-# it at 32 registers (41 for 1, 4 bytes of spills for 2; sm_90), so that a row's loads overlap another's
-# stores also for rows that take 1024 threads.
-PACKED_FORWARD_MIN_BLOCKS = 2
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
 
 
@@ -306,9 +302,8 @@ def _output_parameter(s, log):
 
 
 @functools.cache
-def _forward_packed(fmt, width, log, cache, min_blocks):
-    """forward_cached for 16-bit rows held as words, compiled for `min_blocks` blocks of 1024 threads on
-    one multiprocessor."""
+def _forward_packed(fmt, width, log, cache):
+    """forward_cached for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
@@ -316,7 +311,7 @@ def _forward_packed(fmt, width, log, cache, min_blocks):
     held_words = cache // 2
     pad = packed_pad(fmt, NEG_INF)
 
-    @kernel(min_blocks=min_blocks)
+    @kernel
     def forward_packed(x, out):
         row = uint64(cuda.blockIdx.x)
         tid = cuda.threadIdx.x
@@ -617,9 +612,8 @@ def forward(x, out, log: bool, plan=None) -> None:
                    _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP))
         launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
-        kernel_ = (_forward_packed(fmt, width, log, cache, PACKED_FORWARD_MIN_BLOCKS) if held == 2 else
-                   _forward_cached(fmt, width, log, cache))
-        launch(kernel_, rows, threads, words)
+        build = _forward_packed if held == 2 else _forward_cached
+        launch(build(fmt, width, log, cache), rows, threads, words)
     else:
         launch(_forward_looping(fmt, width, log, UNROLL), rows, threads, words)
 

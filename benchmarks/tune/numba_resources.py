@@ -3,8 +3,7 @@
 numba compiles a kernel to PTX for any compute capability without a device; the ptxas of pip's CUDA
 compiler package (nvidia-cuda-nvcc, under site-packages/nvidia/cu*/bin, or one on PATH that reads
 numba's PTX version) assembles it and reports registers and spill bytes. The kernels are compiled at
-the launch bound the backend gives them (1024 threads, so at most 64 registers; 1024x2: two such blocks
-on a multiprocessor, at most 32).
+the launch bound the backend gives them (1024 threads, so at most 64 registers).
 
     python3 benchmarks/tune/numba_resources.py            # every configuration, sm_90
 
@@ -55,13 +54,8 @@ def configurations():
         arr = rows[fmt]
         packed = held == 2
         for cache in softmax.CACHE[held]:
-            if packed:
-                blocks = softmax.PACKED_FORWARD_MIN_BLOCKS
-                kernel = softmax._forward_packed(fmt, width, False, cache, blocks)
-                found.append((f"fwd-cached-{name}-{cache}", kernel, (arr, arr), (MAX_THREADS, blocks)))
-            else:
-                found.append((f"fwd-cached-{name}-{cache}", softmax._forward_cached(fmt, width, False, cache),
-                              (arr, arr), MAX_THREADS))
+            build = softmax._forward_packed if packed else softmax._forward_cached
+            found.append((f"fwd-cached-{name}-{cache}", build(fmt, width, False, cache), (arr, arr), MAX_THREADS))
         for cache in softmax.CACHE_BWD[held]:
             build = softmax._backward_packed if packed else softmax._backward_cached
             found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, arr),
@@ -111,13 +105,12 @@ def main(argv=None):
     cc = (args.arch // 10, args.arch % 10)
     _pretend_device(cc)
     print(f"numba-cuda, sm_{args.arch}, {ptxas}")
-    print(f"{'configuration':28} {'bound':>7} {'regs':>4} {'spill stores':>12} {'spill loads':>11}")
+    print(f"{'configuration':28} {'bound':>5} {'regs':>4} {'spill stores':>12} {'spill loads':>11}")
     for name, kernel, argtypes, bound in configurations():
         if args.only not in name:
             continue
         registers, stores, loads = report(kernel, argtypes, cc, ptxas, bound)
-        bound = "x".join(map(str, bound)) if isinstance(bound, tuple) else str(bound)
-        print(f"{name:28} {bound:>7} {registers:4d} {stores:12d} {loads:11d}", flush=True)
+        print(f"{name:28} {bound:5d} {registers:4d} {stores:12d} {loads:11d}", flush=True)
     return 0
 
 
