@@ -776,6 +776,7 @@ def run(args) -> Results:
                                   ms=ms, bytes=2 * COPY_BYTES, gb_per_s=results.copy_gb_per_s,
                                   fraction_of_copy=1.0))
     plan = plan_cases(args.ops, args.quick)
+    results.timings += same_bytes_copies(runner, plan, args.dtypes, results.copy_gb_per_s)
     memory_cases = plan.get("cross_entropy", [])
     inplace = [_inplace_impl(name) for name in backends]
     peers_for_memory = [i for i in impls if i.role == "peer" and "cross_entropy" in i.ops]
@@ -799,6 +800,37 @@ def run(args) -> Results:
     results.environment[COPY_AT_END] = f"{gb_per_s(2 * COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"
     results.environment["run time"] = f"{time.perf_counter() - started:.0f} s"
     return results
+
+
+def _copy_of(timer: Callable, shape: tuple, dtype) -> tuple[float, int]:
+    """(milliseconds, bytes read and written) of ``dst.copy_(src)`` for tensors of ``shape``."""
+    import torch
+
+    src = torch.empty(shape, dtype=dtype, device=DEVICE)
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
+
+
+def same_bytes_copies(runner: Runner, plan: dict, dtypes: list[str], copy_gb_per_s: float) -> list[Timing]:
+    """``dst.copy_(src)`` of one input of each dense headline shape, against the long copy: a short
+    kernel's launch, ramp-up and tail cost it part of that bandwidth, whatever it computes."""
+    import torch
+
+    shapes = dict.fromkeys(case.shape for cases in plan.values() for case in cases
+                           if "headline" in case.group and case.layout is None)
+    records = []
+    for rows, cols in shapes:
+        for dtype_name in dtypes:
+            record = Timing("copy", "torch", "copy", dtype_name, "headline", f"{rows}x{cols}", cols, "copy")
+            try:
+                record.ms, record.bytes = _copy_of(runner.timer, (rows, cols), getattr(torch, DTYPES[dtype_name]))
+                record.gb_per_s = gb_per_s(record.bytes, record.ms)
+                record.fraction_of_copy = record.gb_per_s / copy_gb_per_s
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory: noted, the run goes on
+                record.note = describe_error(error)
+                _recover()
+            records.append(record)
+    return records
 
 
 def _run_case(runner: Runner, impls: list[Impl], case: Case, dtype_name: str, results: Results) -> None:
@@ -1042,6 +1074,17 @@ def markdown_report(results: Results) -> str:
         for f in results.first_calls:
             lines.append(f"| {f.impl} | {f.op} | {f.direction} | {f.dtype} | {f.shape} | {f.first_call_ms:.1f} | "
                          f"{_number(f.steady_ms, 3)} |")
+        lines.append("")
+    copies = [t for t in results.timings if t.role == "copy" and t.group == "headline"]
+    if copies:
+        lines += ["## copy of each headline shape's bytes", "",
+                  "`dst.copy_(src)` of one input of each shape, as a fraction of the copy above: launch, ramp-up "
+                  "and tail leave about this much to any kernel that reads and writes that many bytes.", "",
+                  "| shape | dtype | MiB copied | fraction of copy | note |", "|---|---|---:|---:|---|"]
+        for t in copies:
+            mib = t.bytes / 2 / 2**20 if t.bytes else None
+            lines.append(f"| {t.shape} | {t.dtype} | {_number(mib, 0)} | {_number(t.fraction_of_copy, 2)} | "
+                         f"{t.note} |")
         lines.append("")
     if results.overhead:
         lines += ["## host overhead per call, softmax of a (4, 128) float32 tensor", "",

@@ -190,7 +190,14 @@ def test_second_device():
 @pytest.mark.parametrize("columns", [32768, 131075, 262144])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("log", [False, True])
-def test_long_rows_split_path_special_rows(columns, dtype, log):
+@pytest.mark.parametrize("capped", [True, False], ids=["maxnreg", "uncapped"])
+def test_long_rows_split_path_special_rows(columns, dtype, log, capped, monkeypatch):
+    """Rows of -inf only, a NaN, every third entry -inf, with the split forward's register cap
+    (SPLIT_FORWARD_MAXNREG: some values wait in local memory) and without."""
+    from multisoft_triton import softmax
+
+    if not capped:
+        monkeypatch.setattr(softmax, "SPLIT_FORWARD_MAXNREG", {})
     x = (torch.randn(4, columns, device="cuda") * 4).to(dtype)
     x[1] = float("-inf")
     x[2, 1000] = float("nan")

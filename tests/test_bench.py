@@ -283,6 +283,11 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
     assert torch_rows and all(float(r["ms"]) > 0 and float(r["fraction_of_copy"]) > 0 for r in torch_rows)
     # 3 shapes per dense op (headline, 2 sweep), 2 dtypes, 3 directions
     assert len([r for r in torch_rows if r["op"] == "softmax"]) == 3 * 2 * 3
+    # the long copy, then a copy of each dense headline shape's bytes (softmax's and cross-entropy's), 2 dtypes
+    copies = [(r["shape"], r["dtype"], int(r["bytes"])) for r in rows
+              if r["op"] == "copy" and r["group"] == "headline"]
+    assert copies == [("8x64", "fp32", 2 * 8 * 64 * 4), ("8x64", "bf16", 2 * 8 * 64 * 2),
+                      ("8x100", "fp32", 2 * 8 * 100 * 4), ("8x100", "bf16", 2 * 8 * 100 * 2)]
     assert {r["impl"] for r in rows if r["role"] == "peer"} == {"torch-native"}
     failing = [r for r in rows if r["impl"] == "failing"]
     assert all(r["ms"] == "" for r in failing)
@@ -308,6 +313,7 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
     for op in ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax"):
         assert f"## {op}" in text
     assert "kernel exploded" in text
+    assert "## copy of each headline shape's bytes" in text and "| 8x100 | bf16 |" in text
 
 
 def test_triton_resources_compiles_for_sm90_without_a_gpu():
@@ -323,8 +329,12 @@ def test_triton_resources_compiles_for_sm90_without_a_gpu():
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line for line in done.stdout.splitlines()[2:]}
     assert {"softmax-fwd-split-bf16-4096", "cross_entropy-fwd-loop-fp32", "blocksparse-bwd-b64x16-bf16"} <= set(rows)
-    warps, regs, local, programs = (int(v) for v in rows["softmax-fwd-tile-fp32-1024"].split()[1:5])
-    assert warps == 4 and 0 < regs <= 255 and local == 0 and 1 <= programs <= 16
+    _, warps, regs, spills, programs = rows["softmax-fwd-tile-fp32-1024"].split()[:5]
+    assert int(warps) == 4 and 0 < int(regs) <= 255 and spills == "0/0" and 1 <= int(programs) <= 16
+    # the split forward's register cap (SPLIT_FORWARD_MAXNREG) is compiled in
+    from multisoft_triton.softmax import SPLIT_FORWARD_MAXNREG
+
+    assert int(rows["softmax-fwd-split-fp32-4096"].split()[2]) <= SPLIT_FORWARD_MAXNREG[4]
     # 16-byte accesses: the launcher's alignment of pointers and row lengths is modelled
     assert "LDG.E.128" in rows["softmax-fwd-tile-fp32-1024"] and "STG.E.128" in rows["softmax-fwd-tile-fp32-1024"]
     refused = subprocess.run([sys.executable, tool], capture_output=True, text=True,

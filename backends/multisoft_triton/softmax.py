@@ -44,6 +44,13 @@ SPLIT_STREAM = {2: (8192, 2048, 4, 1)}
 # 0.79 -> 0.89, 512x262144 0.75 -> 0.87; shorter tiles 0.5 % slower. Forward tiles and held chunks were
 # slower held as loaded (4096x32768 0.74 -> 0.63, log_softmax too: twice the instructions per element).
 RAW_FROM = {"backward tile": 16384, "backward split": 0}
+# Registers a thread of the split forward kernels may take (ptxas .maxnreg), by element size: more programs
+# per multiprocessor while they wait for their rows, a few values of each waiting in local memory (L1) instead.
+# float32: 56 -> 48 registers, 9 -> 10 programs, 5 values spilled. Measured on an H200
+# (benchmarks/results/tuning/triton-split-cap-round1.txt), rows of 131072 and 262144: float32 0.83-0.86 ->
+# 0.85-0.87, bf16 (the streaming kernel) 0.69-0.71 -> 0.70-0.74; tighter caps spilled more and lost, and the
+# backward lost at every cap.
+SPLIT_FORWARD_MAXNREG = {4: 48, 2: 40}
 
 
 @triton.jit
@@ -289,6 +296,8 @@ def forward(x, out, log):
         if config is None:
             _fwd_loop_kernel[(M,)](x, out, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
             return
+        cap = SPLIT_FORWARD_MAXNREG.get(x.element_size())
+        options = {"maxnreg": cap} if cap else {}
         stream = SPLIT_STREAM.get(x.element_size())
         if stream is not None and triton.cdiv(N, stream[0]) <= sm_count(x):
             chunk, sub, warps, stages = stream
@@ -297,7 +306,7 @@ def forward(x, out, log):
             _fwd_split_stream_kernel[(M * chunks,)](
                 x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk, SUB=sub,
                 STAGES=stages, CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-                COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
+                COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
@@ -305,7 +314,7 @@ def forward(x, out, log):
         _fwd_split_kernel[(M * chunks,)](
             x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
 
 
 def backward(y, dy, dx, log):

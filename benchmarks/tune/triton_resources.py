@@ -2,8 +2,9 @@
 
 Triton compiles for any NVIDIA target with the ptxas it ships; `cuobjdump` (shipped too) reads the
 registers and the machine code. This prints, for the kernel configurations the benchmark shapes
-take, the registers per thread, the programs one multiprocessor can hold (by registers and threads),
-and the global loads and stores by width: what bounds the bytes a multiprocessor has in flight.
+take, the registers per thread, the local stores and loads (spills), the programs one multiprocessor
+can hold (by registers and threads), and the global loads and stores by width: what bounds the bytes
+a multiprocessor has in flight.
 
     python3 benchmarks/tune/triton_resources.py                  # every configuration, sm_90
     python3 benchmarks/tune/triton_resources.py --only split --sass /tmp/sass   # and their SASS
@@ -51,14 +52,15 @@ def configurations():
                  "COUNTER_STRIDE": softmax.SPLIT_COUNTER_STRIDE}
         stats = {"count_ptr": "*i32", "N": "i32", "chunks": "i32"}
         held = {"count_ptr": "*i32", "N": "i32", "chunks": "i32", "zero": "i32"}
+        cap = {"maxnreg": softmax.SPLIT_FORWARD_MAXNREG[size]} if size in softmax.SPLIT_FORWARD_MAXNREG else {}
         found.append((f"softmax-fwd-split-{dtype}-{chunk}", softmax._fwd_split_kernel,
                       {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
-                      split, warps))
+                      split, warps, cap))
         if size in softmax.SPLIT_STREAM:
             chunk_s, sub, warps_s, stages = softmax.SPLIT_STREAM[size]
             found.append((f"softmax-fwd-split-stream-{dtype}-{chunk_s}", softmax._fwd_split_stream_kernel,
                           {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
-                          {**split, "CHUNK": chunk_s, "SUB": sub, "STAGES": stages}, warps_s))
+                          {**split, "CHUNK": chunk_s, "SUB": sub, "STAGES": stages}, warps_s, cap))
         for raw in raws:
             found.append((f"softmax-bwd-split-{dtype}-{chunk}{'-raw' if raw else ''}", softmax._bwd_split_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "sum_ptr": "*fp32", **held},
@@ -90,9 +92,10 @@ def configurations():
     return found
 
 
-def compile_for(kernel, signature, constexprs, num_warps, arch):
+def compile_for(kernel, signature, constexprs, num_warps, arch, options=None):
     """The cubin of `kernel` for sm_<arch>, pointers and M, N, C taken as multiples of 16 (as the launcher
-    specialises them on the GPU: without that no load is vectorised)."""
+    specialises them on the GPU: without that no load is vectorised); `options`: more compile options
+    (maxnreg)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -101,7 +104,8 @@ def compile_for(kernel, signature, constexprs, num_warps, arch):
     aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n in ("M", "N", "C")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, **(options or {})})
     return compiled.asm["cubin"]
 
 
@@ -120,7 +124,10 @@ def report(cubin, num_warps):
         sass = cuobjdump("-sass", handle.name)
     finally:
         os.unlink(handle.name)
-    regs, local = (int(x) for x in re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage).groups())
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    # spills show as local stores and loads in the machine code (res-usage's LOCAL can read 0 with them)
+    stores, loads = (len(re.findall(rf"\b{op}\b", sass)) for op in ("STL", "LDL"))
+    local = f"{stores}/{loads}"
     threads = 32 * num_warps
     by_registers = REGISTERS_PER_SM // (-(-regs // 8) * 8 * threads)
     programs = min(by_registers, THREADS_PER_SM // threads, PROGRAMS_PER_SM)
@@ -142,14 +149,14 @@ def main(argv=None):
     import triton
 
     print(f"triton {triton.__version__}, sm_{args.arch}")
-    print(f"{'configuration':36} {'warps':>5} {'regs':>4} {'local':>5} {'programs/SM':>11}  global loads/stores")
-    for name, kernel, signature, constexprs, warps in configurations():
+    print(f"{'configuration':36} {'warps':>5} {'regs':>4} {'STL/LDL':>7} {'programs/SM':>11}  global loads/stores")
+    for name, kernel, signature, constexprs, warps, *options in configurations():
         if args.only not in name:
             continue
-        regs, local, programs, memory, sass = report(compile_for(kernel, signature, constexprs, warps, args.arch),
-                                                     warps)
+        cubin = compile_for(kernel, signature, constexprs, warps, args.arch, *options)
+        regs, local, programs, memory, sass = report(cubin, warps)
         accesses = " ".join(f"{op}:{count}" for op, count in sorted(memory.items()))
-        print(f"{name:36} {warps:5d} {regs:4d} {local:5d} {programs:11d}  {accesses}", flush=True)
+        print(f"{name:36} {warps:5d} {regs:4d} {local:>7} {programs:11d}  {accesses}", flush=True)
         if args.sass:
             pathlib.Path(args.sass).mkdir(parents=True, exist_ok=True)
             (pathlib.Path(args.sass) / f"{name}.sass").write_text(sass)
