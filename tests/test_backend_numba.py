@@ -203,17 +203,11 @@ def test_launches_on_the_current_non_default_stream():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", ["split", "looping"])
 @pytest.mark.parametrize("keep_exp", [False, True], ids=["recompute", "keep"])
-@pytest.mark.parametrize("min_blocks", [1, 5], ids=["bound1024", "bound256x5"])
-def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, min_blocks, monkeypatch):
-    """Long rows on the split and looping paths, the split kernels compiled for the common 1024-thread
-    bound and for 5 blocks of 256 threads a multiprocessor (SPLIT_MIN_BLOCKS: fewer registers, spills)."""
+def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
     from multisoft_numba import softmax
     if keep_exp and (dtype != torch.float32 or path != "split"):
         pytest.skip("SPLIT_KEEP_EXP is a setting of the float32 split forward only")
-    if min_blocks > 1 and path != "split":
-        pytest.skip("SPLIT_MIN_BLOCKS is a setting of the split kernels only")
     monkeypatch.setattr(softmax, "SPLIT_KEEP_EXP", keep_exp)
-    monkeypatch.setattr(softmax, "SPLIT_MIN_BLOCKS", {"forward": min_blocks, "backward": min_blocks})
     n = 262_144
     x = (torch.randn(3, n, device=DEVICE) * 3).to(dtype)
     x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path

@@ -52,10 +52,6 @@ SPLIT_THREADS = 256   # several blocks per SM, so one's loads overlap another's 
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
-# Blocks of SPLIT_THREADS a multiprocessor that the split kernels are compiled to fit (launch bounds; 1: the
-# common 1024-thread bound, 64 registers): 5 caps the forward at 48 registers (8 values spilled to local
-# memory, sm_90), so that 5 blocks instead of 4 hold parts of rows while they wait for the others.
-SPLIT_MIN_BLOCKS = {"forward": 5, "backward": 1}
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
 
 
@@ -406,13 +402,13 @@ def _summed_statistics(stats, at, parts):
 
 
 @functools.cache
-def _forward_split(fmt, width, log, cache, keep, bound=None):
+def _forward_split(fmt, width, log, cache, keep):
     """keep (softmax only): hold exp(x - part max) between the passes and rescale it, one exponential
     per element; otherwise hold x and take the exponential again (see SPLIT_KEEP_EXP)."""
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
-    @kernel(bound=bound)
+    @kernel
     def forward_split(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -456,11 +452,11 @@ def _forward_split(fmt, width, log, cache, keep, bound=None):
 
 
 @functools.cache
-def _backward_split(fmt, width, log, cache, bound=None):
+def _backward_split(fmt, width, log, cache):
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
-    @kernel(bound=bound)
+    @kernel
     def backward_split(y, dy, dx, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -487,7 +483,7 @@ def _backward_split(fmt, width, log, cache, bound=None):
 
 
 @functools.cache
-def _forward_split_packed(fmt, width, log, cache, bound=None):
+def _forward_split_packed(fmt, width, log, cache):
     """forward_split for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
@@ -496,7 +492,7 @@ def _forward_split_packed(fmt, width, log, cache, bound=None):
     held_words = cache // 2
     pad = packed_pad(fmt, NEG_INF)
 
-    @kernel(bound=bound)
+    @kernel
     def forward_split_packed(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -528,7 +524,7 @@ def _forward_split_packed(fmt, width, log, cache, bound=None):
 
 
 @functools.cache
-def _backward_split_packed(fmt, width, log, cache, bound=None):
+def _backward_split_packed(fmt, width, log, cache):
     """backward_split for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     _, _, dot = _packed_reductions(fmt, width, cache)
@@ -536,7 +532,7 @@ def _backward_split_packed(fmt, width, log, cache, bound=None):
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
 
-    @kernel(bound=bound)
+    @kernel
     def backward_split_packed(y, dy, dx, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -592,13 +588,6 @@ def _plan(n: int, caches, split_cache: int, held: int, device=None):
     return "looping", threads_for(n, 8 * UNROLL), 1, cache
 
 
-def _split_bound(direction: str, threads: int):
-    """The launch bound of a split kernel launched with `threads` a block: SPLIT_MIN_BLOCKS[direction]
-    blocks of SPLIT_THREADS on a multiprocessor where that is over 1, else the common bound (None)."""
-    blocks = SPLIT_MIN_BLOCKS[direction]
-    return (SPLIT_THREADS, blocks) if blocks > 1 and threads <= SPLIT_THREADS else None
-
-
 def _held_bytes(fmt, width) -> int:
     """Bytes an element takes in registers: 2 for 16-bit rows read in pairs (held as words), else 4."""
     return 2 if PACK_16BIT and fmt != FP32 and width >= 2 else 4
@@ -619,9 +608,8 @@ def forward(x, out, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        bound = _split_bound("forward", threads)
-        kernel_ = (_forward_split_packed(fmt, width, log, cache, bound) if held == 2 else
-                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP, bound))
+        kernel_ = (_forward_split_packed(fmt, width, log, cache) if held == 2 else
+                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP))
         launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached
@@ -639,8 +627,7 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
         build = _backward_split_packed if held == 2 else _backward_split
-        launch(build(fmt, width, log, cache, _split_bound("backward", threads)), rows * parts, threads,
-               (*words, stats, sync, numpy.int64(parts)))
+        launch(build(fmt, width, log, cache), rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _backward_packed if held == 2 else _backward_cached
         launch(build(fmt, width, log, cache), rows, threads, words)

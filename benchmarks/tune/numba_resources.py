@@ -3,8 +3,7 @@
 numba compiles a kernel to PTX for any compute capability without a device; the ptxas of pip's CUDA
 compiler package (nvidia-cuda-nvcc, under site-packages/nvidia/cu*/bin, or one on PATH that reads
 numba's PTX version) assembles it and reports registers and spill bytes. The kernels are compiled at
-the launch bound the backend gives them (1024 threads, so at most 64 registers; 256x5: five 256-thread
-blocks on a multiprocessor, at most 48).
+the launch bound the backend gives them (1024 threads, so at most 64 registers).
 
     python3 benchmarks/tune/numba_resources.py            # every configuration, sm_90
 
@@ -62,15 +61,13 @@ def configurations():
             found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, arr),
                           MAX_THREADS))
         cache = softmax.SPLIT_CACHE[held]
-        bound = softmax._split_bound("forward", softmax.SPLIT_THREADS)
-        kernel = (softmax._forward_split_packed(fmt, width, False, cache, bound) if packed else
-                  softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP, bound))
-        found.append((f"fwd-split-{name}-{cache}", kernel, (arr, arr, *stats), bound or MAX_THREADS))
+        kernel = (softmax._forward_split_packed(fmt, width, False, cache) if packed else
+                  softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP))
+        found.append((f"fwd-split-{name}-{cache}", kernel, (arr, arr, *stats), MAX_THREADS))
         cache = softmax.SPLIT_CACHE_BWD[held]
-        bound = softmax._split_bound("backward", softmax.SPLIT_THREADS)
         build = softmax._backward_split_packed if packed else softmax._backward_split
-        found.append((f"bwd-split-{name}-{cache}", build(fmt, width, False, cache, bound), (arr, arr, arr, *stats),
-                      bound or MAX_THREADS))
+        found.append((f"bwd-split-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, arr, *stats),
+                      MAX_THREADS))
     return found
 
 
@@ -108,13 +105,12 @@ def main(argv=None):
     cc = (args.arch // 10, args.arch % 10)
     _pretend_device(cc)
     print(f"numba-cuda, sm_{args.arch}, {ptxas}")
-    print(f"{'configuration':28} {'bound':>7} {'regs':>4} {'spill stores':>12} {'spill loads':>11}")
+    print(f"{'configuration':28} {'bound':>5} {'regs':>4} {'spill stores':>12} {'spill loads':>11}")
     for name, kernel, argtypes, bound in configurations():
         if args.only not in name:
             continue
         registers, stores, loads = report(kernel, argtypes, cc, ptxas, bound)
-        bound = "x".join(map(str, bound)) if isinstance(bound, tuple) else str(bound)
-        print(f"{name:28} {bound:>7} {registers:4d} {stores:12d} {loads:11d}", flush=True)
+        print(f"{name:28} {bound:5d} {registers:4d} {stores:12d} {loads:11d}", flush=True)
     return 0
 
 
