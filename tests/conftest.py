@@ -9,6 +9,7 @@ backends.
 """
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -39,5 +40,7 @@ def _fresh_registry_caches():
 
 @pytest.fixture(autouse=True)
 def _fresh_random_inputs(request):
-    """A different but reproducible seed per test, so no two tests share inputs."""
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    """A different but reproducible seed per test, so no two tests share inputs. crc32, not hash():
+    Python salts str hashes per process, so hash() gave each run other inputs (and other skips, where a
+    random layout's size decides them)."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
