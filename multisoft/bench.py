@@ -707,9 +707,7 @@ def copy_ms(timer: Callable) -> float:
     """Milliseconds of ``dst.copy_(src)`` over 1 GiB (bytes moved: 2 GiB, read + write)."""
     import torch
 
-    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device=DEVICE)
-    dst = torch.empty_like(src)
-    return timer(lambda: dst.copy_(src))
+    return _copy_of(timer, (COPY_BYTES // 4,), torch.float32)[0]
 
 
 def environment(backends: list[str], timing_method: str, liger_note: str) -> dict:
