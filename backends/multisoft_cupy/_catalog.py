@@ -102,6 +102,31 @@ STAGED_WARP_ROWS = 4
 STAGED_BLOCK_BYTES = 64 * 1024
 
 
+class SplitConfig(NamedTuple):
+    """A long row split over blocks that wait for each other through global memory (softmax.cu,
+    softmax_{fwd,bwd}_split): THREADS per block, CHUNK columns of the row per block, staged in shared memory."""
+
+    threads: int
+    chunk: int
+
+    def shared_bytes(self, direction: str, elem_size: int) -> int:
+        return _STAGED_TENSORS[direction] * self.chunk * elem_size
+
+
+SPLIT_THREADS = (128, 256, 512)  # instantiated block sizes
+# Split rows from these column counts on, by (direction, element size); absent: never.
+SPLIT_MIN_COLUMNS = {("fwd", 4): 65537, ("fwd", 2): 65537, ("bwd", 4): 65537, ("bwd", 2): 65537}
+# (chunk, threads) by (direction, element size): the first that cuts the row into no more chunks than the GPU
+# has multiprocessors (so that all chunks of a row can run at once), within the shared memory.
+SPLIT_CHUNKS = {
+    ("fwd", 4): ((4096, 256), (8192, 256), (16384, 512)),
+    ("fwd", 2): ((8192, 256), (16384, 512)),
+    ("bwd", 4): ((4096, 256), (8192, 256), (16384, 512)),
+    ("bwd", 2): ((4096, 256), (8192, 256), (16384, 512)),
+}
+SPLIT_COUNTER_STRIDE = 32  # int32s between row counters; MS_COUNTER_STRIDE in softmax.cu
+
+
 def _row_kernel(name: str, ctype: str, cfg: RowConfig, index_type: str | None = None) -> str:
     types = ctype if index_type is None else f"{ctype}, {index_type}"
     min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
@@ -112,6 +137,10 @@ def _row_kernel(name: str, ctype: str, cfg: RowConfig, index_type: str | None = 
 
 def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
     return _row_kernel(f"softmax_{direction}", ctype, cfg)
+
+
+def split_kernel(direction: str, ctype: str, cfg: SplitConfig) -> str:
+    return f"softmax_{direction}_split<{ctype}, {cfg.threads}>"
 
 
 def staged_kernel(direction: str, ctype: str, cfg: StagedConfig) -> str:
@@ -144,7 +173,8 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         clusters = [c for c in STAGED_CLUSTERS if c == 1 or cc >= CLUSTER_MIN_CC]
         staged = [StagedConfig(t, r, c, 0) for t, r in STAGED_BLOCKS for c in clusters]
         staged += [StagedConfig(t, r, 1, 0) for t, r in STAGED_WARPS]
-        return tuple(rows + [staged_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in staged])
+        split = [split_kernel(d, ctype, SplitConfig(t, 0)) for d in ("fwd", "bwd") for t in SPLIT_THREADS]
+        return tuple(rows + [staged_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in staged] + split)
     if source == "cross_entropy.cu":
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
         return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
@@ -225,6 +255,22 @@ def staged_config(direction: str, columns: int, elem_size: int, cc: int,
         per_block = -(-columns // cluster)
         cfg = StagedConfig(STAGED_BLOCK_THREADS[direction], 1, cluster, -(-per_block // vec) * vec)
         if cfg.shared_bytes(direction, elem_size) <= limit:
+            return cfg
+    return None
+
+
+def split_config(direction: str, rows: int, columns: int, elem_size: int, cc: int, sm_count: int,
+                 max_shared: int) -> SplitConfig | None:
+    """Rows split over blocks (sm_80+) from SPLIT_MIN_COLUMNS on: the first SPLIT_CHUNKS entry whose chunks
+    of a row all fit on the GPU at once; None when none applies."""
+    key = (direction, elem_size)
+    if cc < 80 or key not in SPLIT_MIN_COLUMNS or columns < SPLIT_MIN_COLUMNS[key]:
+        return None
+    for chunk, threads in SPLIT_CHUNKS[key]:
+        cfg = SplitConfig(threads, chunk)
+        chunks = -(-columns // chunk)
+        if (chunks <= sm_count and rows * chunks <= MAX_GRID and threads in SPLIT_THREADS
+                and cfg.shared_bytes(direction, elem_size) <= max_shared):
             return cfg
     return None
 

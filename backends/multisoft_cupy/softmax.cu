@@ -189,6 +189,78 @@ __device__ __forceinline__ void stage_row(uint4* buf, int stride, const T* const
     cp_async_wait_all();
 }
 
+// What a row group's staged slice contributes, from the vectors (lane, lane + TPR, ...) of `xs`: forward,
+// the max and the sum of exp(x - max) (this thread's share); backward, sum(y * dy) or, for log_softmax, sum(dy).
+template <typename T, int TPR>
+__device__ __forceinline__ Stats staged_statistics(const uint4* xs, int vectors, int lane) {
+    using S = Staged<T>;
+    Stats st = stats_empty();
+    for (int i = lane; i < vectors; i += TPR) {
+        const auto r = S::regs(xs[i]);
+#pragma unroll
+        for (int e = 0; e < S::VEC; ++e) st.m = fmaxf(st.m, S::V::get(r, e));
+    }
+    if (st.m != -MS_INF) {
+        float s = 0.f;
+        for (int i = lane; i < vectors; i += TPR) {
+            const auto r = S::regs(xs[i]);
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) s += exp_diff(S::V::get(r, e), st.m);
+        }
+        st.s = s;
+    }
+    return st;
+}
+
+template <typename T, int TPR>
+__device__ __forceinline__ float staged_dot(const uint4* ys, const uint4* ds, int vectors, int lane, int log_mode) {
+    using S = Staged<T>;
+    float acc = 0.f;
+    for (int i = lane; i < vectors; i += TPR) {
+        const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
+#pragma unroll
+        for (int e = 0; e < S::VEC; ++e) acc += log_mode ? S::V::get(rd, e) : S::V::get(ry, e) * S::V::get(rd, e);
+    }
+    return acc;
+}
+
+// Writes softmax (or log_softmax) of the staged slice to `dst`, given the row's max and sum of exp(x - max).
+template <typename T, int TPR>
+__device__ __forceinline__ void staged_normalise(const uint4* xs, T* dst, int vectors, int lane, Stats row,
+                                                 int log_mode) {
+    using S = Staged<T>;
+    const float inv_sum = 1.f / row.s, log_sum = logf(row.s);
+    uint4* to = reinterpret_cast<uint4*>(dst);
+    for (int i = lane; i < vectors; i += TPR) {
+        const auto r = S::regs(xs[i]);
+        float f[S::VEC];
+#pragma unroll
+        for (int e = 0; e < S::VEC; ++e) {
+            const float in = S::V::get(r, e);
+            f[e] = log_mode ? (in - row.m) - log_sum : exp_diff(in, row.m) * inv_sum;
+        }
+        to[i] = S::pack(f);
+    }
+}
+
+// Writes the gradient of the staged slice to `dst`, given the row's dot (see staged_dot).
+template <typename T, int TPR>
+__device__ __forceinline__ void staged_gradient(const uint4* ys, const uint4* ds, T* dst, int vectors, int lane,
+                                                float dot, int log_mode) {
+    using S = Staged<T>;
+    uint4* to = reinterpret_cast<uint4*>(dst);
+    for (int i = lane; i < vectors; i += TPR) {
+        const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
+        float f[S::VEC];
+#pragma unroll
+        for (int e = 0; e < S::VEC; ++e) {
+            const float fy = S::V::get(ry, e), fd = S::V::get(rd, e);
+            f[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
+        }
+        to[i] = S::pack(f);
+    }
+}
+
 template <typename T, int TPR, int ROWS, int CLUSTER>
 __device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 M, i64 N, i64 slice,
                                                         int log_mode) {
@@ -203,36 +275,8 @@ __device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 
     const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
     for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
         stage_row<T, TPR, 1>(xs, stride, src, row, N, begin, vectors, lane);
-        float m = -MS_INF;
-        for (int i = lane; i < vectors; i += TPR) {
-            const auto r = S::regs(xs[i]);
-#pragma unroll
-            for (int e = 0; e < S::VEC; ++e) m = fmaxf(m, S::V::get(r, e));
-        }
-        Stats st = stats_empty();
-        st.m = m;
-        if (m != -MS_INF) {
-            float s = 0.f;
-            for (int i = lane; i < vectors; i += TPR) {
-                const auto r = S::regs(xs[i]);
-#pragma unroll
-                for (int e = 0; e < S::VEC; ++e) s += exp_diff(S::V::get(r, e), m);
-            }
-            st.s = s;
-        }
-        st = row_reduce<TPR, CLUSTER>(st);
-        const float inv_sum = 1.f / st.s, log_sum = logf(st.s);
-        uint4* dst = reinterpret_cast<uint4*>(out + row * N + begin);
-        for (int i = lane; i < vectors; i += TPR) {
-            const auto r = S::regs(xs[i]);
-            float f[S::VEC];
-#pragma unroll
-            for (int e = 0; e < S::VEC; ++e) {
-                const float in = S::V::get(r, e);
-                f[e] = log_mode ? (in - st.m) - log_sum : exp_diff(in, st.m) * inv_sum;
-            }
-            dst[i] = S::pack(f);
-        }
+        const Stats st = row_reduce<TPR, CLUSTER>(staged_statistics<T, TPR>(xs, vectors, lane));
+        staged_normalise<T, TPR>(xs, out + row * N + begin, vectors, lane, st, log_mode);
     }
 }
 
@@ -252,26 +296,10 @@ __device__ __forceinline__ void softmax_bwd_staged_rows(const T* y, const T* dy,
     const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
     for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
         stage_row<T, TPR, 2>(ys, stride, src, row, N, begin, vectors, lane);
-        float acc = 0.f;
-        for (int i = lane; i < vectors; i += TPR) {
-            const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
-#pragma unroll
-            for (int e = 0; e < S::VEC; ++e) acc += log_mode ? S::V::get(rd, e) : S::V::get(ry, e) * S::V::get(rd, e);
-        }
         Stats st = stats_empty();
-        st.a = acc;
+        st.a = staged_dot<T, TPR>(ys, ds, vectors, lane, log_mode);
         const float dot = row_reduce<TPR, CLUSTER>(st).a;
-        uint4* dst = reinterpret_cast<uint4*>(dx + row * N + begin);
-        for (int i = lane; i < vectors; i += TPR) {
-            const auto ry = S::regs(ys[i]), rd = S::regs(ds[i]);
-            float f[S::VEC];
-#pragma unroll
-            for (int e = 0; e < S::VEC; ++e) {
-                const float fy = S::V::get(ry, e), fd = S::V::get(rd, e);
-                f[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
-            }
-            dst[i] = S::pack(f);
-        }
+        staged_gradient<T, TPR>(ys, ds, dx + row * N + begin, vectors, lane, dot, log_mode);
     }
 }
 
@@ -299,3 +327,102 @@ MS_CLUSTER_KERNEL(TPR, CLUSTER, 1) softmax_bwd_staged_cluster(const T* y, const 
     softmax_bwd_staged_rows<T, TPR, 1, CLUSTER>(y, dy, dx, M, N, slice, log_mode);
 }
 #endif
+
+// ---------------------------------------------------------------------------
+// Long rows split over blocks that find each other through global memory.
+// Each block takes a ticket, its start order, from counters[0]: its row is
+// ticket / chunks, its chunk ticket % chunks (`chunk` columns from
+// chunk * (ticket % chunks)). It stages the chunk in shared memory (cp.async:
+// a block waiting for the rest of its row holds no register of data, so more
+// blocks fit on a multiprocessor), publishes what the chunk contributes to the
+// row in `partial` (2 floats per ticket forward, 1 backward), counts itself on
+// the row's counter, counters[(row + 1) * MS_COUNTER_STRIDE], and waits for
+// the row's other chunks. Tickets in start order make the wait safe: only the
+// newest row can have chunks that have not started, so a row needs no more
+// chunks than blocks that can run at once (the caller keeps chunks <= the
+// multiprocessor count). Needs zeroed counters, N % VEC == 0, 16-byte aligned
+// rows and a `chunk` that is a multiple of VEC; dynamic shared memory:
+// staged tensors x chunk elements.
+// ---------------------------------------------------------------------------
+#define MS_COUNTER_STRIDE 32  // one 128-byte line per row counter
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float load_relaxed(const float* p) {
+    float v;
+    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int take_ticket(int* counters) {
+    __shared__ int ticket;
+    if (threadIdx.x == 0) ticket = atomicAdd(counters, 1);
+    __syncthreads();
+    return ticket;
+}
+
+// Thread 0, having written this block's partial results, counts the block at `counter` and waits until
+// `expected` blocks have; then the whole block may read the others' partial results.
+__device__ __forceinline__ void arrive_and_wait(int* counter, int expected) {
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1);
+        while (load_acquire(counter) < expected) {
+        }
+    }
+    __syncthreads();
+}
+
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out, float* partial, int* counters,
+                                                             i64 N, int chunks, i64 chunk, int log_mode) {
+    using S = Staged<T>;
+    extern __shared__ uint4 stage[];
+    const int ticket = take_ticket(counters);
+    const i64 row = ticket / chunks, begin = (i64)(ticket % chunks) * chunk;
+    const int vectors = S::vectors(begin, N, chunk), lane = threadIdx.x;
+    const T* const src[1] = {x};
+    stage_row<T, THREADS, 1>(stage, 0, src, row, N, begin, vectors, lane);
+    const Stats own = row_reduce<THREADS, 1>(staged_statistics<T, THREADS>(stage, vectors, lane));
+    if (threadIdx.x == 0) {
+        partial[2 * (i64)ticket] = own.m;
+        partial[2 * (i64)ticket + 1] = own.s;
+    }
+    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
+    Stats st = stats_empty();  // every warp merges the row's chunks, its lanes side by side
+    for (int p = threadIdx.x % 32; p < chunks; p += 32) {
+        Stats q = stats_empty();
+        q.m = load_relaxed(partial + 2 * (row * chunks + p));
+        q.s = load_relaxed(partial + 2 * (row * chunks + p) + 1);
+        st = stats_combine(st, q);
+    }
+    staged_normalise<T, THREADS>(stage, out + row * N + begin, vectors, lane, warp_reduce<32>(st), log_mode);
+}
+
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T* dy, T* dx, float* partial,
+                                                             int* counters, i64 N, int chunks, i64 chunk,
+                                                             int log_mode) {
+    using S = Staged<T>;
+    extern __shared__ uint4 stage[];
+    const int ticket = take_ticket(counters);
+    const i64 row = ticket / chunks, begin = (i64)(ticket % chunks) * chunk;
+    const int vectors = S::vectors(begin, N, chunk), lane = threadIdx.x, stride = (int)(chunk / S::VEC);
+    const uint4* ds = stage + stride;
+    const T* const src[2] = {y, dy};
+    stage_row<T, THREADS, 2>(stage, stride, src, row, N, begin, vectors, lane);
+    Stats own = stats_empty();
+    own.a = staged_dot<T, THREADS>(stage, ds, vectors, lane, log_mode);
+    own = row_reduce<THREADS, 1>(own);
+    if (threadIdx.x == 0) partial[ticket] = own.a;
+    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
+    float dot = 0.f;
+    for (int p = threadIdx.x % 32; p < chunks; p += 32) dot += load_relaxed(partial + row * chunks + p);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(MS_FULL_MASK, dot, o);
+    staged_gradient<T, THREADS>(stage, ds, dx + row * N + begin, vectors, lane, dot, log_mode);
+}
