@@ -426,3 +426,80 @@ __global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(MS_FULL_MASK, dot, o);
     staged_gradient<T, THREADS>(stage, ds, dx + row * N + begin, vectors, lane, dot, log_mode);
 }
+
+// The same split with the chunk held in registers (VPT 16-byte vectors per thread, as loaded: 16-bit values
+// stay packed), chunk = THREADS x VPT x VEC columns; any alignment and N (`vec_ok` as in the row kernels).
+template <typename T, int THREADS, int VPT>
+__global__ void __launch_bounds__(THREADS) softmax_fwd_split_regs(const T* x, T* out, float* partial,
+                                                                  int* counters, i64 N, int chunks, int log_mode,
+                                                                  int vec_ok) {
+    using TL = Tile<T, THREADS, VPT>;
+    const int ticket = take_ticket(counters);
+    const i64 row = ticket / chunks, start = (i64)(ticket % chunks) * TL::SIZE;
+    const DenseMap map;
+    typename TL::Regs v;
+    TL::load(v, x + row * N, map, start, N, threadIdx.x, vec_ok != 0, -MS_INF);
+    Stats own = stats_empty();
+#pragma unroll
+    for (int e = 0; e < TL::EPT; ++e) own.m = fmaxf(own.m, TL::get(v, e));
+    if (own.m != -MS_INF) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < TL::EPT; ++e) s += exp_diff(TL::get(v, e), own.m);
+        own.s = s;
+    }
+    own = row_reduce<THREADS, 1>(own);
+    if (threadIdx.x == 0) {
+        partial[2 * (i64)ticket] = own.m;
+        partial[2 * (i64)ticket + 1] = own.s;
+    }
+    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
+    Stats st = stats_empty();
+    for (int p = threadIdx.x % 32; p < chunks; p += 32) {
+        Stats q = stats_empty();
+        q.m = load_relaxed(partial + 2 * (row * chunks + p));
+        q.s = load_relaxed(partial + 2 * (row * chunks + p) + 1);
+        st = stats_combine(st, q);
+    }
+    st = warp_reduce<32>(st);
+    const float inv_sum = 1.f / st.s, log_sum = logf(st.s);
+    float f[TL::EPT];
+#pragma unroll
+    for (int e = 0; e < TL::EPT; ++e) {
+        const float in = TL::get(v, e);
+        f[e] = log_mode ? (in - st.m) - log_sum : exp_diff(in, st.m) * inv_sum;
+    }
+    TL::set_all(v, f);
+    TL::store(v, out + row * N, map, start, N, threadIdx.x, vec_ok != 0);
+}
+
+template <typename T, int THREADS, int VPT>
+__global__ void __launch_bounds__(THREADS) softmax_bwd_split_regs(const T* y, const T* dy, T* dx, float* partial,
+                                                                  int* counters, i64 N, int chunks, int log_mode,
+                                                                  int vec_ok) {
+    using TL = Tile<T, THREADS, VPT>;
+    const int ticket = take_ticket(counters);
+    const i64 row = ticket / chunks, start = (i64)(ticket % chunks) * TL::SIZE, base = row * N;
+    const DenseMap map;
+    typename TL::Regs vy, vd;
+    TL::load(vy, y + base, map, start, N, threadIdx.x, vec_ok != 0, 0.f);
+    TL::load(vd, dy + base, map, start, N, threadIdx.x, vec_ok != 0, 0.f);
+    Stats own = stats_empty();
+#pragma unroll
+    for (int e = 0; e < TL::EPT; ++e) own.a += log_mode ? TL::get(vd, e) : TL::get(vy, e) * TL::get(vd, e);
+    own = row_reduce<THREADS, 1>(own);
+    if (threadIdx.x == 0) partial[ticket] = own.a;
+    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
+    float dot = 0.f;
+    for (int p = threadIdx.x % 32; p < chunks; p += 32) dot += load_relaxed(partial + row * chunks + p);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(MS_FULL_MASK, dot, o);
+    float out[TL::EPT];
+#pragma unroll
+    for (int e = 0; e < TL::EPT; ++e) {
+        const float fy = TL::get(vy, e), fd = TL::get(vd, e);
+        out[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
+    }
+    TL::set_all(vd, out);
+    TL::store(vd, dx + base, map, start, N, threadIdx.x, vec_ok != 0);
+}
