@@ -227,12 +227,9 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
         softmax.backward(x, x, torch.empty_like(x), False)
     assert sum("staged" in expression for _, expression, _ in calls) == 4
     monkeypatch.setattr(_catalog, "SPLIT_MIN_COLUMNS", {("fwd", 4): 256, ("bwd", 4): 256})
-    for entry in ((256, 256, 0), (2048, 128, 4)):
-        monkeypatch.setattr(_catalog, "SPLIT_CHUNKS", {("fwd", 4): (entry,), ("bwd", 4): (entry,)})
-        softmax.forward(x, torch.empty_like(x), True)
-        softmax.backward(x, x, torch.empty_like(x), False)
-    assert sum("split_regs" in expression for _, expression, _ in calls) == 2
-    assert sum("split<" in expression for _, expression, _ in calls) == 2
+    softmax.forward(x, torch.empty_like(x), True)
+    softmax.backward(x, x, torch.empty_like(x), False)
+    assert sum("split" in expression for _, expression, _ in calls) == 2
     target = torch.zeros(4, dtype=torch.int64)
     w = torch.ones(300)
     cross_entropy.forward(x, target, w, torch.empty(4), torch.empty(4), -100, 0.1)
@@ -242,7 +239,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     xb = torch.randn(1, lut.nnz, 16, 16)
     blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
     blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
-    assert len(calls) == 14
+    assert len(calls) == 12
     for source, expression, args in calls:
         params = _kernel_parameters(source, expression.split("<")[0])
         assert len(params) == len(args), expression
@@ -361,25 +358,21 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
             check(dx, ref_dx, dtype, f"backward log={log} {what}")
 
 
-_SPLITS = [(t, 0) for t in _catalog.SPLIT_THREADS] + list(_catalog.SPLIT_REGS)
-
-
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads,vpt", _SPLITS, ids=[f"t{t}-v{v}" for t, v in _SPLITS])
-def test_softmax_split_rows_match_float64(threads, vpt, dtype, monkeypatch):
-    """Rows split over blocks that wait for each other: an uneven last chunk (for chunks in registers, rows
-    that are not whole vectors: scalar loads), a chunk of -inf only, a row of -inf only (NaN, as torch), a
-    NaN, as many chunks per row as multiprocessors over more rows than fit at once, every direction and mode."""
+@pytest.mark.parametrize("threads,vpt", _catalog.SPLIT_CONFIGS, ids=[f"t{t}-v{v}" for t, v in _catalog.SPLIT_CONFIGS])
+@pytest.mark.parametrize("tail", [16, 3], ids=["vectors", "scalars"])
+def test_softmax_split_rows_match_float64(tail, threads, vpt, dtype, monkeypatch):
+    """Rows split over blocks that wait for each other: an uneven last chunk (of whole vectors, or not: scalar
+    loads), a chunk of -inf only, a row of -inf only (NaN, as torch), a NaN, as many chunks per row as
+    multiprocessors over more rows than fit at once, every direction and mode."""
     softmax, _, _ = _kernels()
-    vec = 16 // dtype.itemsize
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    for rows, chunk, chunks in ((11, vec * 40, 7), (40, vec * 8, sm_count)):
-        if vpt:
-            chunk = threads * vpt * vec
-        cols = chunk * (chunks - 1) + (3 if vpt else vec * 3)
-        cfg = _catalog.SplitConfig(threads, chunk, vpt)
-        monkeypatch.setattr(_catalog, "split_config", lambda *args, cfg=cfg: cfg)
+    chunk = threads * vpt * (16 // dtype.itemsize)
+    cfg = _catalog.SplitConfig(threads, vpt, chunk)
+    monkeypatch.setattr(_catalog, "split_config", lambda *args: cfg)
+    for rows, chunks in ((11, 7), (40, sm_count)):
+        cols = chunk * (chunks - 1) + tail
         x = torch.randn(rows, cols, device=_device()).mul(4).to(dtype)
         x[1, :chunk] = float("-inf")
         x[2, ::3] = float("-inf")
@@ -403,25 +396,23 @@ def test_softmax_split_rows_match_float64(threads, vpt, dtype, monkeypatch):
 
 def test_split_config_keeps_a_row_within_the_gpu(monkeypatch):
     """Split only from SPLIT_MIN_COLUMNS on, sm_80+, with no more chunks per row than multiprocessors and a
-    compiled kernel (staged: aligned rows of whole vectors only); otherwise None (the caller then stages or
-    uses registers)."""
+    compiled kernel; otherwise None (the caller then stages or uses registers)."""
     expressions = set(_catalog.expressions("softmax.cu", "float", 90))
     for direction, elem in _catalog.SPLIT_MIN_COLUMNS:
         low = _catalog.SPLIT_MIN_COLUMNS[(direction, elem)]
-        assert _catalog.split_config(direction, 8, low - 1, elem, 90, 132, 227 * 1024, True) is None
-        assert _catalog.split_config(direction, 8, low, elem, 75, 132, 227 * 1024, True) is None
-        for cols, vec in itertools.product((low, 262144, 1 << 20, 1 << 23), (True, False)):
-            cfg = _catalog.split_config(direction, 8, cols, elem, 90, 132, 227 * 1024, vec)
+        assert _catalog.split_config(direction, 8, low - 1, elem, 90, 132) is None
+        assert _catalog.split_config(direction, 8, low, elem, 75, 132) is None
+        for cols in (low, 262144, 1 << 20, 1 << 23):
+            cfg = _catalog.split_config(direction, 8, cols, elem, 90, 132)
             if cfg is None:
-                assert all(-(-cols // chunk) > 132 or not (vpt or vec)
-                           for chunk, _, vpt in _catalog.SPLIT_CHUNKS[(direction, elem)])
+                assert all(-(-cols // (t * v * 16 // elem)) > 132 for t, v in _catalog.SPLIT_CHOICES[direction])
                 continue
-            assert -(-cols // cfg.chunk) <= 132 and cfg.chunk % (16 // elem) == 0 and (vec or cfg.vpt)
-            assert not cfg.vpt or cfg.chunk == cfg.threads * cfg.vpt * (16 // elem)
+            assert -(-cols // cfg.chunk) <= 132 and cfg.chunk == cfg.threads * cfg.vpt * (16 // elem)
             assert _catalog.split_kernel(direction, "float", cfg) in expressions
-        assert _catalog.split_config(direction, 2**31 // 8, 1 << 20, elem, 90, 132, 227 * 1024, True) is None
-    monkeypatch.setitem(_catalog.SPLIT_CHUNKS, ("fwd", 4), ((4096, 128, 4), (4096, 128, 8)))
-    assert _catalog.split_config("fwd", 8, 1 << 17, 4, 90, 132, 227 * 1024, True) == (128, 4096, 8)
+        assert _catalog.split_config(direction, 2**31 // 8, 1 << 20, elem, 90, 132) is None
+    monkeypatch.setitem(_catalog.SPLIT_CHOICES, "fwd", ((128, 4), (128, 8)))
+    monkeypatch.setitem(_catalog.SPLIT_MIN_COLUMNS, ("fwd", 4), 1)
+    assert _catalog.split_config("fwd", 8, 1 << 17, 4, 90, 132) == (128, 8, 4096)  # (128, 4) is not compiled
 
 
 @gpu

@@ -104,29 +104,23 @@ STAGED_BLOCK_BYTES = 64 * 1024
 
 class SplitConfig(NamedTuple):
     """A long row split over blocks that wait for each other through global memory (softmax.cu,
-    softmax_{fwd,bwd}_split[_regs]): THREADS per block, CHUNK columns of the row per block, staged in shared
-    memory (VPT 0) or held in registers as VPT 16-byte vectors per thread (CHUNK = THREADS x VPT x VEC)."""
+    softmax_{fwd,bwd}_split): THREADS per block holding VPT 16-byte vectors each of every tensor, so
+    CHUNK = THREADS x VPT x VEC columns of the row per block."""
 
     threads: int
+    vpt: int
     chunk: int
-    vpt: int = 0
-
-    def shared_bytes(self, direction: str, elem_size: int) -> int:
-        return 0 if self.vpt else _STAGED_TENSORS[direction] * self.chunk * elem_size
 
 
-SPLIT_THREADS = (128, 256, 512)  # instantiated block sizes of the staged split
-SPLIT_REGS = ((128, 4), (128, 8), (256, 4), (256, 8))  # instantiated (threads, VPT) of the register split
-# Split rows from these column counts on, by (direction, element size); absent: never.
-SPLIT_MIN_COLUMNS = {("fwd", 4): 65537, ("fwd", 2): 65537, ("bwd", 4): 65537, ("bwd", 2): 65537}
-# (chunk, threads, VPT) by (direction, element size): the first that cuts the row into no more chunks than the
-# GPU has multiprocessors (so that all chunks of a row can run at once), within the shared memory.
-SPLIT_CHUNKS = {
-    ("fwd", 4): ((4096, 256, 0), (8192, 256, 0), (16384, 512, 0)),
-    ("fwd", 2): ((8192, 256, 0), (16384, 512, 0)),
-    ("bwd", 4): ((4096, 256, 0), (8192, 256, 0), (16384, 512, 0)),
-    ("bwd", 2): ((4096, 256, 0), (8192, 256, 0), (16384, 512, 0)),
-}
+SPLIT_CONFIGS = ((128, 8), (256, 8), (128, 16))  # instantiated (threads, VPT)
+# Split rows from these column counts on, by (direction, element size); absent: never. Measured on an H200
+# (tuning/cupy-split-round2.txt), 128 threads of 8 vectors against the cluster and register kernels: float32
+# backward 0.84 -> 0.94 at 131072 columns, 0.83 -> 0.88 at 262144, 0.95 -> 0.97 at 32768; bf16 backward 0.80 ->
+# 0.90 at 262144 (0.99 -> 0.93 at 32768: not split there); the forward slower or level.
+SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536}
+# (threads, VPT) by direction: the first that cuts the row into no more chunks than the GPU has multiprocessors
+# (so that all chunks of a row can run at once).
+SPLIT_CHOICES = {"fwd": ((128, 8), (256, 8)), "bwd": ((128, 8), (256, 8))}
 SPLIT_COUNTER_STRIDE = 32  # int32s between row counters; MS_COUNTER_STRIDE in softmax.cu
 
 
@@ -143,9 +137,7 @@ def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
 
 
 def split_kernel(direction: str, ctype: str, cfg: SplitConfig) -> str:
-    if cfg.vpt:
-        return f"softmax_{direction}_split_regs<{ctype}, {cfg.threads}, {cfg.vpt}>"
-    return f"softmax_{direction}_split<{ctype}, {cfg.threads}>"
+    return f"softmax_{direction}_split<{ctype}, {cfg.threads}, {cfg.vpt}>"
 
 
 def staged_kernel(direction: str, ctype: str, cfg: StagedConfig) -> str:
@@ -178,8 +170,7 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         clusters = [c for c in STAGED_CLUSTERS if c == 1 or cc >= CLUSTER_MIN_CC]
         staged = [StagedConfig(t, r, c, 0) for t, r in STAGED_BLOCKS for c in clusters]
         staged += [StagedConfig(t, r, 1, 0) for t, r in STAGED_WARPS]
-        split = [SplitConfig(t, 0) for t in SPLIT_THREADS] + [SplitConfig(t, 0, v) for t, v in SPLIT_REGS]
-        split = [split_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in split]
+        split = [split_kernel(d, ctype, SplitConfig(t, v, 0)) for d in ("fwd", "bwd") for t, v in SPLIT_CONFIGS]
         return tuple(rows + [staged_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in staged] + split)
     if source == "cross_entropy.cu":
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
@@ -265,21 +256,17 @@ def staged_config(direction: str, columns: int, elem_size: int, cc: int,
     return None
 
 
-def split_config(direction: str, rows: int, columns: int, elem_size: int, cc: int, sm_count: int,
-                 max_shared: int, vec: bool) -> SplitConfig | None:
-    """Rows split over blocks (sm_80+) from SPLIT_MIN_COLUMNS on: the first compiled SPLIT_CHUNKS entry whose
-    chunks of a row all fit on the GPU at once (staged ones need `vec`: aligned rows of whole vectors); None
-    when none applies."""
+def split_config(direction: str, rows: int, columns: int, elem_size: int, cc: int,
+                 sm_count: int) -> SplitConfig | None:
+    """Rows split over blocks (sm_80+) from SPLIT_MIN_COLUMNS on: the first compiled SPLIT_CHOICES entry
+    whose chunks of a row all fit on the GPU at once; None when none applies."""
     key = (direction, elem_size)
     if cc < 80 or key not in SPLIT_MIN_COLUMNS or columns < SPLIT_MIN_COLUMNS[key]:
         return None
-    for chunk, threads, vpt in SPLIT_CHUNKS[key]:
-        cfg = SplitConfig(threads, chunk, vpt)
-        chunks = -(-columns // chunk)
-        compiled = (threads, vpt) in SPLIT_REGS and chunk == threads * vpt * (16 // elem_size) if vpt else (
-            threads in SPLIT_THREADS)
-        if (compiled and (vpt or vec) and chunks <= sm_count and rows * chunks <= MAX_GRID
-                and cfg.shared_bytes(direction, elem_size) <= max_shared):
+    for threads, vpt in SPLIT_CHOICES[direction]:
+        cfg = SplitConfig(threads, vpt, threads * vpt * (16 // elem_size))
+        chunks = -(-columns // cfg.chunk)
+        if (threads, vpt) in SPLIT_CONFIGS and chunks <= sm_count and rows * chunks <= MAX_GRID:
             return cfg
     return None
 

@@ -331,18 +331,17 @@ MS_CLUSTER_KERNEL(TPR, CLUSTER, 1) softmax_bwd_staged_cluster(const T* y, const 
 // ---------------------------------------------------------------------------
 // Long rows split over blocks that find each other through global memory.
 // Each block takes a ticket, its start order, from counters[0]: its row is
-// ticket / chunks, its chunk ticket % chunks (`chunk` columns from
-// chunk * (ticket % chunks)). It stages the chunk in shared memory (cp.async:
-// a block waiting for the rest of its row holds no register of data, so more
-// blocks fit on a multiprocessor), publishes what the chunk contributes to the
-// row in `partial` (2 floats per ticket forward, 1 backward), counts itself on
-// the row's counter, counters[(row + 1) * MS_COUNTER_STRIDE], and waits for
-// the row's other chunks. Tickets in start order make the wait safe: only the
-// newest row can have chunks that have not started, so a row needs no more
-// chunks than blocks that can run at once (the caller keeps chunks <= the
-// multiprocessor count). Needs zeroed counters, N % VEC == 0, 16-byte aligned
-// rows and a `chunk` that is a multiple of VEC; dynamic shared memory:
-// staged tensors x chunk elements.
+// ticket / chunks, its chunk ticket % chunks, of THREADS x VPT x VEC columns,
+// which it holds in registers as loaded (16-bit values stay packed). It
+// publishes what the chunk contributes to the row in `partial` (2 floats per
+// ticket forward, 1 backward), counts itself on the row's counter,
+// counters[(row + 1) * MS_COUNTER_STRIDE], and waits for the row's other
+// chunks. Tickets in start order make the wait safe: only the newest row can
+// have chunks that have not started, so a row needs no more chunks than
+// blocks that can run at once (the caller keeps chunks <= the multiprocessor
+// count). Needs zeroed counters; any N and alignment (`vec_ok` as in the row
+// kernels). Measured on an H200 (tuning/cupy-split-round1..2.txt), chunks
+// staged in shared memory instead were slower.
 // ---------------------------------------------------------------------------
 #define MS_COUNTER_STRIDE 32  // one 128-byte line per row counter
 
@@ -377,60 +376,8 @@ __device__ __forceinline__ void arrive_and_wait(int* counter, int expected) {
     __syncthreads();
 }
 
-template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out, float* partial, int* counters,
-                                                             i64 N, int chunks, i64 chunk, int log_mode) {
-    using S = Staged<T>;
-    extern __shared__ uint4 stage[];
-    const int ticket = take_ticket(counters);
-    const i64 row = ticket / chunks, begin = (i64)(ticket % chunks) * chunk;
-    const int vectors = S::vectors(begin, N, chunk), lane = threadIdx.x;
-    const T* const src[1] = {x};
-    stage_row<T, THREADS, 1>(stage, 0, src, row, N, begin, vectors, lane);
-    const Stats own = row_reduce<THREADS, 1>(staged_statistics<T, THREADS>(stage, vectors, lane));
-    if (threadIdx.x == 0) {
-        partial[2 * (i64)ticket] = own.m;
-        partial[2 * (i64)ticket + 1] = own.s;
-    }
-    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
-    Stats st = stats_empty();  // every warp merges the row's chunks, its lanes side by side
-    for (int p = threadIdx.x % 32; p < chunks; p += 32) {
-        Stats q = stats_empty();
-        q.m = load_relaxed(partial + 2 * (row * chunks + p));
-        q.s = load_relaxed(partial + 2 * (row * chunks + p) + 1);
-        st = stats_combine(st, q);
-    }
-    staged_normalise<T, THREADS>(stage, out + row * N + begin, vectors, lane, warp_reduce<32>(st), log_mode);
-}
-
-template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T* dy, T* dx, float* partial,
-                                                             int* counters, i64 N, int chunks, i64 chunk,
-                                                             int log_mode) {
-    using S = Staged<T>;
-    extern __shared__ uint4 stage[];
-    const int ticket = take_ticket(counters);
-    const i64 row = ticket / chunks, begin = (i64)(ticket % chunks) * chunk;
-    const int vectors = S::vectors(begin, N, chunk), lane = threadIdx.x, stride = (int)(chunk / S::VEC);
-    const uint4* ds = stage + stride;
-    const T* const src[2] = {y, dy};
-    stage_row<T, THREADS, 2>(stage, stride, src, row, N, begin, vectors, lane);
-    Stats own = stats_empty();
-    own.a = staged_dot<T, THREADS>(stage, ds, vectors, lane, log_mode);
-    own = row_reduce<THREADS, 1>(own);
-    if (threadIdx.x == 0) partial[ticket] = own.a;
-    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
-    float dot = 0.f;
-    for (int p = threadIdx.x % 32; p < chunks; p += 32) dot += load_relaxed(partial + row * chunks + p);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(MS_FULL_MASK, dot, o);
-    staged_gradient<T, THREADS>(stage, ds, dx + row * N + begin, vectors, lane, dot, log_mode);
-}
-
-// The same split with the chunk held in registers (VPT 16-byte vectors per thread, as loaded: 16-bit values
-// stay packed), chunk = THREADS x VPT x VEC columns; any alignment and N (`vec_ok` as in the row kernels).
 template <typename T, int THREADS, int VPT>
-__global__ void __launch_bounds__(THREADS) softmax_fwd_split_regs(const T* x, T* out, float* partial,
+__global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out, float* partial,
                                                                   int* counters, i64 N, int chunks, int log_mode,
                                                                   int vec_ok) {
     using TL = Tile<T, THREADS, VPT>;
@@ -474,7 +421,7 @@ __global__ void __launch_bounds__(THREADS) softmax_fwd_split_regs(const T* x, T*
 }
 
 template <typename T, int THREADS, int VPT>
-__global__ void __launch_bounds__(THREADS) softmax_bwd_split_regs(const T* y, const T* dy, T* dx, float* partial,
+__global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T* dy, T* dx, float* partial,
                                                                   int* counters, i64 N, int chunks, int log_mode,
                                                                   int vec_ok) {
     using TL = Tile<T, THREADS, VPT>;

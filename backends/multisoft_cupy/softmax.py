@@ -16,16 +16,16 @@ def _run(direction: str, tensors: list[torch.Tensor], out: torch.Tensor, log: bo
     index = device_index(out)
     cc, sm_count = device_info(index)
     vec = cols % (16 // elem) == 0 and aligned(*tensors, out)
-    split = _catalog.split_config(direction, rows, cols, elem, cc, sm_count, shared_memory(index), vec)
+    split = _catalog.split_config(direction, rows, cols, elem, cc, sm_count)
     if split is not None:
         chunks = -(-cols // split.chunk)
         partial = torch.empty(rows * chunks * (2 if direction == "fwd" else 1), dtype=torch.float32,
                               device=out.device)
         counters = torch.zeros((rows + 1) * _catalog.SPLIT_COUNTER_STRIDE, dtype=torch.int32, device=out.device)
-        head = (*(ptr(t) for t in tensors), ptr(out), ptr(partial), ptr(counters), i64(cols), i32(chunks))
-        args = (*head, i32(log), i32(vec)) if split.vpt else (*head, i64(split.chunk), i32(log))
+        args = (*(ptr(t) for t in tensors), ptr(out), ptr(partial), ptr(counters), i64(cols), i32(chunks), i32(log),
+                i32(vec))
         launch(out, SOURCE, _catalog.split_kernel(direction, ctype(out.dtype), split), (rows * chunks, 1, 1),
-               (split.threads, 1, 1), args, shared_mem=split.shared_bytes(direction, elem))
+               (split.threads, 1, 1), args)
         return
     staged = _catalog.staged_config(direction, cols, elem, cc, shared_memory(index)) if vec else None
     if staged is not None:

@@ -61,11 +61,21 @@ MAX_THREADS = 16 if SIMULATOR else 1024
 MIN_THREADS = 4 if SIMULATOR else 32
 
 
-def kernel(func):
-    """cuda.jit for a kernel: cached on disk, register use bounded for 1024-thread blocks."""
-    if SIMULATOR:
-        return cuda.jit(func)
-    return cuda.jit(cache=True, launch_bounds=MAX_THREADS)(func)
+def kernel(func=None, *, bound=None):
+    """cuda.jit for a kernel: cached on disk, register use bounded for 1024-thread blocks, or by
+    `bound` = (threads a block, blocks a multiprocessor).
+
+    numba's disk cache tells kernels apart by code, closure and qualified name, not by launch bounds:
+    a kernel bounded otherwise gets the bound in its name, so as not to load another bound's binary."""
+    def build(func):
+        if SIMULATOR:
+            return cuda.jit(func)
+        if bound is None:
+            return cuda.jit(cache=True, launch_bounds=MAX_THREADS)(func)
+        func.__qualname__ += "_bound_" + "_".join(map(str, bound))
+        return cuda.jit(cache=True, launch_bounds=bound)(func)
+
+    return build if func is None else build(func)
 
 
 def device_function(func):

@@ -49,6 +49,10 @@ MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
 PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
 SPLIT_THREADS = 256   # several blocks per SM, so one's loads overlap another's waiting
+SPLIT_THREADS_BWD = 256   # the same for the backward
+# Compile the backward split kernels for their own block size (launch bounds (threads, 1): up to 255
+# registers) rather than for 1024 threads (64 registers).
+SPLIT_BWD_BOUNDED = False
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
@@ -452,11 +456,11 @@ def _forward_split(fmt, width, log, cache, keep):
 
 
 @functools.cache
-def _backward_split(fmt, width, log, cache):
+def _backward_split(fmt, width, log, cache, bound=None):
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
-    @kernel
+    @kernel(bound=bound)
     def backward_split(y, dy, dx, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -524,7 +528,7 @@ def _forward_split_packed(fmt, width, log, cache):
 
 
 @functools.cache
-def _backward_split_packed(fmt, width, log, cache):
+def _backward_split_packed(fmt, width, log, cache, bound=None):
     """backward_split for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     _, _, dot = _packed_reductions(fmt, width, cache)
@@ -532,7 +536,7 @@ def _backward_split_packed(fmt, width, log, cache):
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
 
-    @kernel
+    @kernel(bound=bound)
     def backward_split_packed(y, dy, dx, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -570,7 +574,7 @@ def _max_parts(device_index: int, held: int) -> int:
     return min(MAX_PARTS[held], _multiprocessors(device_index) // 2)
 
 
-def _plan(n: int, caches, split_cache: int, held: int, device=None):
+def _plan(n: int, caches, split_cache: int, held: int, device=None, split_threads=None):
     """('cached' | 'split' | 'looping', threads per block, parts per row, elements per thread)
     for rows of n elements that take `held` bytes each in registers; `caches`: the elements
     per thread that a block holding the whole row may take, fewest first; `split_cache`: those
@@ -580,11 +584,12 @@ def _plan(n: int, caches, split_cache: int, held: int, device=None):
         if n <= threads * cache:
             return "cached", threads, 1, cache
     cache = split_cache
-    parts = -(-n // (SPLIT_THREADS * cache))
+    split_threads = split_threads or SPLIT_THREADS
+    parts = -(-n // (split_threads * cache))
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if parts <= _max_parts(index, held):
-            return "split", SPLIT_THREADS, parts, cache
+            return "split", split_threads, parts, cache
     return "looping", threads_for(n, 8 * UNROLL), 1, cache
 
 
@@ -622,12 +627,15 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
     fmt, width, words = vector_views((y, dy, dx))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[held], SPLIT_CACHE_BWD[held], held, y.device)
+    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[held], SPLIT_CACHE_BWD[held], held, y.device,
+                                                SPLIT_THREADS_BWD)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
         build = _backward_split_packed if held == 2 else _backward_split
-        launch(build(fmt, width, log, cache), rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
+        bound = (threads, 1) if SPLIT_BWD_BOUNDED else None
+        launch(build(fmt, width, log, cache, bound), rows * parts, threads,
+               (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _backward_packed if held == 2 else _backward_cached
         launch(build(fmt, width, log, cache), rows, threads, words)
