@@ -212,15 +212,15 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
     x = (torch.randn(3, n, device=DEVICE) * 3).to(dtype)
     x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path
     x[2] = float("-inf")
-    def plan_for(cache):  # the split path forced, whatever the defaults choose for this shape
-        parts = -(-n // (softmax.SPLIT_THREADS * cache))
+    def plan_for(threads, cache):  # the split path forced, whatever the defaults choose for this shape
+        parts = -(-n // (threads * cache))
         if path == "split" and parts > torch.cuda.get_device_properties(x.device).multi_processor_count // 2:
             pytest.skip(f"{parts} parts could not all be resident on this GPU")
-        return ("split", softmax.SPLIT_THREADS, parts, cache) if path == "split" else ("looping", 1024, 1, cache)
+        return ("split", threads, parts, cache) if path == "split" else ("looping", 1024, 1, cache)
 
     for log in (False, True):
         held = 2 if x.element_size() == 2 else 4   # rows of 262144 are read in pairs: 16-bit rows are held packed
-        plan = plan_for(softmax.SPLIT_CACHE[held])
+        plan = plan_for(softmax.SPLIT_THREADS, softmax.SPLIT_CACHE[held])
         out = torch.empty_like(x)
         softmax.forward(x, out, log, plan=plan)
         expected = reference_softmax(x, -1, log)
@@ -228,9 +228,10 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
         assert_close(out[:2], expected[:2], dtype, f"{path} forward")
         dy = torch.randn_like(x)
         dx = torch.empty_like(x)
-        bwd_plan = plan_for(softmax.SPLIT_CACHE_BWD[held])
-        softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log, plan=bwd_plan)
-        assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype, f"{path} backward")
+        for threads, cache in softmax.SPLIT_BWD[held]:
+            softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log, plan=plan_for(threads, cache))
+            assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype,
+                         f"{path} backward {threads}x{cache}")
 
 
 @needs_gpu

@@ -3,8 +3,8 @@
 Three ways to walk a row, all reading in float32 and writing in the row's dtype:
 - cached: one thread block per row, the row held in registers (CACHE elements
   per thread): one read of the input.
-- split (GPU only, long rows): the row cut into parts of CACHE * SPLIT_THREADS elements,
-  one block per part, each holding its part in registers; the parts exchange
+- split (GPU only, long rows): the row cut into parts (forward: SPLIT_CACHE x SPLIT_THREADS
+  elements, backward: SPLIT_BWD), one block per part, each holding its part in registers; the parts exchange
   their statistics through global memory and wait for each other, so the input
   is still read once. Blocks take their (row, part) from a ticket counter in
   the order they start, so a waiting block only waits for blocks that have
@@ -43,16 +43,19 @@ from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, thre
 CACHE = {4: (32,), 2: (32,)}   # forward: row elements per thread held in registers, fewest first
 CACHE_BWD = {4: (16,), 2: (8, 32)}   # backward: elements of y and of dy per thread, fewest first
 SPLIT_CACHE = {4: 32, 2: 64}       # the same for the parts of split rows, forward
-SPLIT_CACHE_BWD = {4: 16, 2: 32}   # and backward
+# Backward parts of split rows: (threads, elements of y and of dy per thread) by held bytes, the first that
+# cuts the row into at most SPLIT_FEW_PARTS parts, else the first that fits. Compiled for their block size
+# (launch bounds (threads, 1)), not for 1024 threads, so 32 values of each fit in registers. Measured on an
+# H200 (tuning/numba-split-bwd-round2.txt) against 256 x 16 float32 values: 0.85 -> 0.89 at 131072 columns
+# (128 threads), 0.77 -> 0.82 at 262144 and 0.59 -> 0.73 at 524288 (256 threads: half the parts of 128);
+# 16-bit rows level either way.
+SPLIT_BWD = {4: ((128, 32), (256, 32)), 2: ((256, 32),)}
+SPLIT_FEW_PARTS = 32
 UNROLL = 8       # elements per thread per step of the looping kernels
 MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
 PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
-SPLIT_THREADS = 256   # several blocks per SM, so one's loads overlap another's waiting
-SPLIT_THREADS_BWD = 256   # the same for the backward
-# Compile the backward split kernels for their own block size (launch bounds (threads, 1): up to 255
-# registers) rather than for 1024 threads (64 registers).
-SPLIT_BWD_BOUNDED = False
+SPLIT_THREADS = 256   # forward: several blocks per SM, so one's loads overlap another's waiting
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
@@ -456,7 +459,7 @@ def _forward_split(fmt, width, log, cache, keep):
 
 
 @functools.cache
-def _backward_split(fmt, width, log, cache, bound=None):
+def _backward_split(fmt, width, log, cache, bound):
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
@@ -528,7 +531,7 @@ def _forward_split_packed(fmt, width, log, cache):
 
 
 @functools.cache
-def _backward_split_packed(fmt, width, log, cache, bound=None):
+def _backward_split_packed(fmt, width, log, cache, bound):
     """backward_split for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     _, _, dot = _packed_reductions(fmt, width, cache)
@@ -574,23 +577,24 @@ def _max_parts(device_index: int, held: int) -> int:
     return min(MAX_PARTS[held], _multiprocessors(device_index) // 2)
 
 
-def _plan(n: int, caches, split_cache: int, held: int, device=None, split_threads=None):
+def _plan(n: int, caches, splits, held: int, device=None):
     """('cached' | 'split' | 'looping', threads per block, parts per row, elements per thread)
     for rows of n elements that take `held` bytes each in registers; `caches`: the elements
-    per thread that a block holding the whole row may take, fewest first; `split_cache`: those
-    of a block holding a part of a row."""
+    per thread that a block holding the whole row may take, fewest first; `splits`: the
+    (threads, elements per thread) of a block holding a part of a row, the first that makes
+    at most SPLIT_FEW_PARTS parts, else the first whose parts can all be resident."""
     for cache in caches:
         threads = min(threads_for(n, cache), CACHED_THREADS)
         if n <= threads * cache:
             return "cached", threads, 1, cache
-    cache = split_cache
-    split_threads = split_threads or SPLIT_THREADS
-    parts = -(-n // (split_threads * cache))
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if parts <= _max_parts(index, held):
-            return "split", split_threads, parts, cache
-    return "looping", threads_for(n, 8 * UNROLL), 1, cache
+        fitting = [(threads, cache, -(-n // (threads * cache))) for threads, cache in splits]
+        fitting = [f for f in fitting if f[2] <= _max_parts(index, held)]
+        if fitting:
+            threads, cache, parts = next((f for f in fitting if f[2] <= SPLIT_FEW_PARTS), fitting[0])
+            return "split", threads, parts, cache
+    return "looping", threads_for(n, 8 * UNROLL), 1, splits[0][1]
 
 
 def _held_bytes(fmt, width) -> int:
@@ -609,7 +613,8 @@ def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
     fmt, width, words = vector_views((x, out))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache = plan or _plan(n, CACHE[held], SPLIT_CACHE[held], held, x.device)
+    path, threads, parts, cache = plan or _plan(n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held,
+                                                x.device)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
@@ -627,14 +632,12 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
     fmt, width, words = vector_views((y, dy, dx))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[held], SPLIT_CACHE_BWD[held], held, y.device,
-                                                SPLIT_THREADS_BWD)
+    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[held], SPLIT_BWD[held], held, y.device)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
         build = _backward_split_packed if held == 2 else _backward_split
-        bound = (threads, 1) if SPLIT_BWD_BOUNDED else None
-        launch(build(fmt, width, log, cache, bound), rows * parts, threads,
+        launch(build(fmt, width, log, cache, (threads, 1)), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _backward_packed if held == 2 else _backward_cached

@@ -64,10 +64,10 @@ def configurations():
         kernel = (softmax._forward_split_packed(fmt, width, False, cache) if packed else
                   softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP))
         found.append((f"fwd-split-{name}-{cache}", kernel, (arr, arr, *stats), MAX_THREADS))
-        cache = softmax.SPLIT_CACHE_BWD[held]
         build = softmax._backward_split_packed if packed else softmax._backward_split
-        found.append((f"bwd-split-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, arr, *stats),
-                      MAX_THREADS))
+        for threads, cache in softmax.SPLIT_BWD[held]:
+            found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, 1)),
+                          (arr, arr, arr, *stats), threads))
     return found
 
 
