@@ -112,7 +112,7 @@ class SplitConfig(NamedTuple):
     chunk: int
 
 
-SPLIT_CONFIGS = ((128, 8), (256, 8), (128, 16), (128, 12))  # instantiated (threads, VPT)
+SPLIT_CONFIGS = ((128, 8), (256, 8), (128, 16))  # instantiated (threads, VPT)
 # Split rows from these column counts on, by (direction, element size); absent: never. Measured on an H200
 # (tuning/cupy-split-round2.txt), 128 threads of 8 vectors against the cluster and register kernels: float32
 # backward 0.84 -> 0.94 at 131072 columns, 0.83 -> 0.88 at 262144, 0.95 -> 0.97 at 32768; bf16 backward 0.80 ->

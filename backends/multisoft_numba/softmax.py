@@ -56,9 +56,6 @@ MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
 PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
 SPLIT_THREADS = 256   # forward: several blocks per SM, so one's loads overlap another's waiting
-# Compile the forward split kernels for their own block size (launch bounds (SPLIT_THREADS, 1)) rather
-# than for 1024 threads (64 registers).
-SPLIT_FWD_BOUNDED = False
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
@@ -412,13 +409,13 @@ def _summed_statistics(stats, at, parts):
 
 
 @functools.cache
-def _forward_split(fmt, width, log, cache, keep, bound=None):
+def _forward_split(fmt, width, log, cache, keep):
     """keep (softmax only): hold exp(x - part max) between the passes and rescale it, one exponential
     per element; otherwise hold x and take the exponential again (see SPLIT_KEEP_EXP)."""
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
-    @kernel(bound=bound)
+    @kernel
     def forward_split(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -493,7 +490,7 @@ def _backward_split(fmt, width, log, cache, bound):
 
 
 @functools.cache
-def _forward_split_packed(fmt, width, log, cache, bound=None):
+def _forward_split_packed(fmt, width, log, cache):
     """forward_split for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
@@ -502,7 +499,7 @@ def _forward_split_packed(fmt, width, log, cache, bound=None):
     held_words = cache // 2
     pad = packed_pad(fmt, NEG_INF)
 
-    @kernel(bound=bound)
+    @kernel
     def forward_split_packed(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -621,9 +618,8 @@ def forward(x, out, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        bound = (threads, 1) if SPLIT_FWD_BOUNDED else None
-        kernel_ = (_forward_split_packed(fmt, width, log, cache, bound) if held == 2 else
-                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP, bound))
+        kernel_ = (_forward_split_packed(fmt, width, log, cache) if held == 2 else
+                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP))
         launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached

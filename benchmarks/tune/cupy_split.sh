@@ -9,7 +9,6 @@ OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
 K='import multisoft_cupy._catalog as k'
 fwd() { echo "$K; k.SPLIT_MIN_COLUMNS = {**k.SPLIT_MIN_COLUMNS, ('fwd', 4): 65536, ('fwd', 2): 65536}; k.SPLIT_CHOICES = {**k.SPLIT_CHOICES, 'fwd': (($1, $2),)}"; }
-if [ "${ROUND:-4}" = 3 ]; then
 python3 benchmarks/tune/tune.py --backend cupy --ops softmax --dtypes fp32,bf16 \
   --cases 4096x32768,1024x65536,1024x131072,512x262144,128x524288,64x1048576 --directions forward,backward \
   --csv "$OUT/cupy_split.csv" \
@@ -19,14 +18,3 @@ python3 benchmarks/tune/tune.py --backend cupy --ops softmax --dtypes fp32,bf16 
   --variant "fwd-t128-v16:$(fwd 128 16)" \
   --variant "fwd-t256-v8:$(fwd 256 8)" \
   || echo "cupy split tuning failed: rc=$?"
-fi
-# round 4 (ROUND=3 runs round 3 instead): the backward with more vectors per thread (fewer chunks per row)
-if [ "${ROUND:-4}" = 4 ]; then
-bwd() { echo "$K; k.SPLIT_CHOICES = {**k.SPLIT_CHOICES, 'bwd': (($1, $2), (256, 8))}"; }
-python3 benchmarks/tune/tune.py --backend cupy --ops softmax,log_softmax --dtypes fp32,bf16 \
-  --cases 1024x131072,512x262144,128x524288 --directions backward --csv "$OUT/cupy_split.csv" \
-  --variant "base:" \
-  --variant "bwd-t128-v12:$(bwd 128 12)" \
-  --variant "bwd-t128-v16:$(bwd 128 16)" \
-  || echo "cupy split tuning failed: rc=$?"
-fi
