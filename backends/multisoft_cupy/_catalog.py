@@ -112,16 +112,16 @@ class SplitConfig(NamedTuple):
     chunk: int
 
 
-SPLIT_CONFIGS = ((128, 8), (256, 8), (128, 16))  # instantiated (threads, VPT)
+SPLIT_CONFIGS = ((128, 8), (128, 16))  # instantiated (threads, VPT)
 # Split rows from these column counts on, by (direction, element size); absent: never. Measured on an H200
-# (tuning/cupy-split-round2.txt), 128 threads of 8 vectors against the cluster and register kernels: float32
-# backward 0.84 -> 0.94 at 131072 columns, 0.83 -> 0.88 at 262144, 0.95 -> 0.97 at 32768; bf16 backward 0.80 ->
-# 0.90 at 262144 (0.99 -> 0.93 at 32768: not split there). The forward (round 3) only gains in float32 from
-# 262144 columns on, with 128 threads of 16 vectors: 0.80 -> 0.83 (0.87 -> 0.85 at 131072); bf16 loses.
+# against the cluster and register kernels (tuning/cupy-split-round2..4.txt), 128 threads of 16 vectors:
+# backward float32 0.84 -> 0.98 at 131072 columns, 0.82 -> 0.95 at 262144; bf16 0.80 -> 0.91 at 262144 (rows
+# of 32768 stay on the tile: 0.99 against 0.93 split). The forward only gains in float32 from 262144 columns
+# on: 0.80 -> 0.83 (0.87 -> 0.85 at 131072); bf16 loses (0.78 -> 0.67 at 262144).
 SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536, ("fwd", 4): 262144}
 # (threads, VPT) by direction: the first that cuts the row into no more chunks than the GPU has multiprocessors
 # (so that all chunks of a row can run at once).
-SPLIT_CHOICES = {"fwd": ((128, 16),), "bwd": ((128, 8), (256, 8))}
+SPLIT_CHOICES = {"fwd": ((128, 16),), "bwd": ((128, 16),)}
 SPLIT_COUNTER_STRIDE = 32  # int32s between row counters; MS_COUNTER_STRIDE in softmax.cu
 
 
