@@ -2,7 +2,9 @@
 // A row is split into tiles; block `rank` of a cluster (0 without clusters)
 // owns tiles rank, rank + CLUSTER, ... A row that fits in one tile per block
 // is read once and kept in registers; longer rows are re-read (newest tiles
-// first, so they tend to come from L2) for the second pass.
+// first, so they tend to come from L2) for the second pass. Further down:
+// rows staged in shared memory, and long rows split over blocks that wait for
+// each other through global memory.
 #include "common.cuh"
 
 template <typename T, int TPR, int ROWS, int VPT, int CLUSTER>
