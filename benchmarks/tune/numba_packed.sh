@@ -4,7 +4,9 @@
 # elements per thread that the halved registers allow. Round 1 (results/tuning/numba-packed-round1.txt):
 # the backward gained everywhere (4096x32768 0.66 -> 0.91, 1024x131072 0.51 -> 0.85), the cached forward
 # stayed level, the split forward beat looping only with 64 elements per thread (`split64`: 0.63 -> 0.65),
-# and 64 per thread cached (`fwd64`) or 512 threads per part were slower. Writes $OUT/numba_packed.csv.
+# and 64 per thread cached (`fwd64`) or 512 threads per part were slower (the backward split then held 16
+# values a thread, SPLIT_CACHE_BWD, now SPLIT_BWD; `threads512` now moves the forward only). Writes
+# $OUT/numba_packed.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
@@ -16,7 +18,7 @@ python3 benchmarks/tune/tune.py --backend numba --ops softmax --dtypes bf16 \
   --variant "floats:$S; s.PACK_16BIT = False; s.CACHE = {4: (32,), 2: (32,)}; s.CACHE_BWD = {4: (8, 32), 2: (8, 32)}; s.MAX_PARTS = {4: 0, 2: 0}" \
   --variant "fwd64:$S; s.CACHE = {4: (32,), 2: (64,)}" \
   --variant "fwd16_32:$S; s.CACHE = {4: (32,), 2: (16, 32)}" \
-  --variant "split64:$S; s.SPLIT_CACHE = {4: 32, 2: 64}; s.SPLIT_CACHE_BWD = {4: 16, 2: 16}" \
+  --variant "split64:$S; s.SPLIT_CACHE = {4: 32, 2: 64}; s.SPLIT_BWD = {4: ((256, 16),), 2: ((256, 16),)}" \
   --variant "split16:$S; s.SPLIT_CACHE = {4: 32, 2: 16}" \
   --variant "threads512:$S; s.SPLIT_THREADS = 512" \
   || echo "numba packed tuning failed: rc=$?"
