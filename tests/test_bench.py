@@ -340,3 +340,24 @@ def test_triton_resources_compiles_for_sm90_without_a_gpu():
     refused = subprocess.run([sys.executable, tool], capture_output=True, text=True,
                              env=dict(env, TRITON_INTERPRET="1"), cwd=ROOT, timeout=300)
     assert refused.returncode == 2 and "TRITON_INTERPRET" in refused.stderr
+
+
+def test_tune_variants_are_undone_and_unknown_settings_named(monkeypatch):
+    """benchmarks/tune/tune.py: a variant's assignments are undone before the next one, and a variant that
+    sets a constant its module does not have (misspelt or renamed) is named instead of timing the defaults."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("tune_tool", ROOT / "benchmarks" / "tune" / "tune.py")
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    module = types.ModuleType("fake_backend_settings")
+    module.CHUNK = 4096
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    undo = tune.Undo([module.__name__])
+    exec("import fake_backend_settings as s; s.CHUNK = 8192", {})
+    assert module.CHUNK == 8192 and undo.added() == []
+    exec("import fake_backend_settings as s; s.CHUNKS = 8192", {})
+    assert undo.added() == ["fake_backend_settings.CHUNKS"]
+    undo.restore()
+    assert module.CHUNK == 4096 and not hasattr(module, "CHUNKS") and undo.added() == []

@@ -3,6 +3,7 @@
 # Run from the repo root on the GPU machine after the editable install; writes $OUT/cupy_dense.csv.
 # Variants set multisoft_cupy._catalog.SOFTMAX_RULES / CE_FWD_RULES (element size 4: fp32, 2: bf16;
 # a rule applies for low < columns <= high), CE_BWD_CONFIG, or cross_entropy.BACKWARD_LAST_ROW_FIRST.
+# Variants with rules for long rows turn the split path (cupy_split.sh) off, which would take those rows.
 # Round 1 chose: cross-entropy forward 16-bit 256-thread blocks held to 64 registers (now in the heuristic);
 # the one-instruction 16-bit packing it also tried measured slower and was reverted.
 set -uo pipefail
@@ -23,8 +24,8 @@ ALL=$((1 << 40))  # "every column count"
 python3 benchmarks/tune/tune.py --backend cupy --ops softmax --dtypes fp32,bf16 \
   --cases 32768x1024,16384x4096,4096x32768,1024x131072,512x262144 --directions forward --csv "$CSV" \
   --variant "base:" \
-  --variant "fwd_a:$K; k.SOFTMAX_RULES = (('fwd', 4, 65536, 262144, R(512, 1, 8, 8)), ('fwd', 2, 512, 4096, R(32, 4, 4, 1, 8)), ('fwd', 2, 16384, 32768, R(512, 1, 4, 2)), ('fwd', 2, 65536, 131072, R(512, 1, 4, 8)), ('fwd', 2, 131072, 262144, R(1024, 1, 4, 8)))" \
-  --variant "fwd_b:$K; k.SOFTMAX_RULES = (('fwd', 4, 65536, 262144, R(512, 1, 4, 8)), ('fwd', 2, 512, 1024, R(128, 1, 1, 1, 8)), ('fwd', 2, 2048, 4096, R(256, 1, 2)), ('fwd', 2, 16384, 32768, R(1024, 1, 4)), ('fwd', 2, 65536, 131072, R(1024, 1, 4, 4)))" \
+  --variant "fwd_a:$K; k.SPLIT_MIN_COLUMNS = {}; k.SOFTMAX_RULES = (('fwd', 4, 65536, 262144, R(512, 1, 8, 8)), ('fwd', 2, 512, 4096, R(32, 4, 4, 1, 8)), ('fwd', 2, 16384, 32768, R(512, 1, 4, 2)), ('fwd', 2, 65536, 131072, R(512, 1, 4, 8)), ('fwd', 2, 131072, 262144, R(1024, 1, 4, 8)))" \
+  --variant "fwd_b:$K; k.SPLIT_MIN_COLUMNS = {}; k.SOFTMAX_RULES = (('fwd', 4, 65536, 262144, R(512, 1, 4, 8)), ('fwd', 2, 512, 1024, R(128, 1, 1, 1, 8)), ('fwd', 2, 2048, 4096, R(256, 1, 2)), ('fwd', 2, 16384, 32768, R(1024, 1, 4)), ('fwd', 2, 65536, 131072, R(1024, 1, 4, 4)))" \
   || echo "softmax forward tuning failed: rc=$?"
 
 # softmax backward.
@@ -34,7 +35,7 @@ python3 benchmarks/tune/tune.py --backend cupy --ops softmax --dtypes fp32,bf16 
 python3 benchmarks/tune/tune.py --backend cupy --ops softmax --dtypes fp32,bf16 \
   --cases 32768x1024,1024x131072,512x262144 --directions backward --csv "$CSV" \
   --variant "base:" \
-  --variant "bwd_a:$K; k.SOFTMAX_RULES = (('bwd', 4, 512, 1024, R(256, 1, 1, 1, 4)), ('bwd', 4, 65536, 131072, R(512, 1, 4, 8)), ('bwd', 2, 512, 1024, R(128, 1, 1, 1, 8)), ('bwd', 2, 65536, 262144, R(512, 1, 4, 8)))" \
+  --variant "bwd_a:$K; k.SPLIT_MIN_COLUMNS = {}; k.SOFTMAX_RULES = (('bwd', 4, 512, 1024, R(256, 1, 1, 1, 4)), ('bwd', 4, 65536, 131072, R(512, 1, 4, 8)), ('bwd', 2, 512, 1024, R(128, 1, 1, 1, 8)), ('bwd', 2, 65536, 262144, R(512, 1, 4, 8)))" \
   --variant "bwd_b:$K; k.SOFTMAX_RULES = (('bwd', 4, 512, 1024, R(32, 4, 4)), ('bwd', 2, 512, 1024, R(32, 4, 2, 1, 8)))" \
   || echo "softmax backward tuning failed: rc=$?"
 

@@ -49,9 +49,18 @@ class Undo:
     def __init__(self, modules):
         self.saved = {name: dict(vars(importlib.import_module(name))) for name in modules}
 
+    def added(self):
+        """`module.NAME` of each upper-case name (a setting) that exists now but did not when recorded: a
+        variant setting a constant the backend does not have (misspelt or renamed) would otherwise time the
+        defaults."""
+        return [f"{name}.{key}" for name in self.saved for key in vars(sys.modules[name])
+                if key.isupper() and key not in self.saved[name]]
+
     def restore(self):
         for name, attrs in self.saved.items():
             module = sys.modules[name]
+            for key in [key for key in vars(module) if key.isupper() and key not in attrs]:
+                delattr(module, key)
             for key, value in attrs.items():
                 if getattr(module, key, None) is not value:
                     setattr(module, key, value)
@@ -81,6 +90,10 @@ def main(argv=None):
                 inputs = bench.make_inputs(case, dtype)
                 for name, statements in variants:
                     exec(statements, {})  # noqa: S102 - a developer's own tuning statements
+                    unknown = undo.added()
+                    if unknown:
+                        raise SystemExit(f"variant {name!r} sets what its module does not have: "
+                                         f"{', '.join(unknown)}")
                     for direction in args.directions.split(","):
                         nbytes = bench.bytes_moved(op, direction, case.elements, bench.ELEMENT_SIZE[dtype])
                         try:
