@@ -361,3 +361,24 @@ def test_tune_variants_are_undone_and_unknown_settings_named(monkeypatch):
     assert undo.added() == ["fake_backend_settings.CHUNKS"]
     undo.restore()
     assert module.CHUNK == 4096 and not hasattr(module, "CHUNKS") and undo.added() == []
+
+
+def test_tune_scripts_set_only_settings_that_exist(monkeypatch):
+    """Every `alias.SETTING = ...` in benchmarks/tune/*.sh names a constant of the module imported as
+    `alias` (a renamed constant would leave its variant timing the defaults; tune.py now stops there too)."""
+    import importlib
+    import re
+    import types
+
+    if importlib.util.find_spec("cupy") is None:  # the CuPy modules import cupy but need it only to launch
+        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    sys.path.insert(0, str(ROOT / "backends"))
+    checked = 0
+    for script in sorted((ROOT / "benchmarks" / "tune").glob("*.sh")):
+        text = script.read_text()
+        aliases = {alias: module for module, alias in re.findall(r"import (multisoft_[\w.]+) as (\w+)", text)}
+        for alias, name in sorted(set(re.findall(r"\b(\w+)\.([A-Z][A-Z0-9_]*) =", text))):
+            assert alias in aliases, f"{script.name}: {alias}.{name} without an import of {alias}"
+            assert hasattr(importlib.import_module(aliases[alias]), name), f"{script.name}: {aliases[alias]}.{name}"
+            checked += 1
+    assert checked > 30
