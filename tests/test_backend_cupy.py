@@ -291,6 +291,26 @@ def test_launch_opts_in_to_large_shared_memory_once(monkeypatch):
     assert kernels[(1, "a")].opt_ins == [64 * kb, 100 * kb, 64 * kb]
 
 
+def check_rows(softmax, x, dy, dtype, what, backward_by_terms=False) -> None:
+    """softmax and log_softmax of `x`, forward and backward (with `dy`, at the float64 forward rounded to
+    `dtype`, NaN rows as 0), through the backend's softmax module, against float64. The backward error is
+    measured against |dx|, or with `backward_by_terms` against the size of dx's terms
+    (multisoft.check.softmax_backward_magnitude)."""
+    for log in (False, True):
+        y = torch.empty_like(x)
+        softmax.forward(x, y, log)
+        ref = torch.log_softmax(x.double(), -1) if log else torch.softmax(x.double(), -1)
+        check(y, ref, dtype, f"forward log={log} {what}")
+        y = torch.where(ref.isnan(), 0.0, ref).to(dtype)
+        dx = torch.empty_like(x)
+        softmax.backward(y, dy, dx, log)
+        y64, dy64 = y.double(), dy.double()
+        dot = dy64.sum(-1, True) if log else (y64 * dy64).sum(-1, True)
+        ref_dx = dy64 - y64.exp() * dot if log else y64 * (dy64 - dot)
+        magnitude = softmax_backward_magnitude(y, dy, -1, log) if backward_by_terms else None
+        check(dx, ref_dx, dtype, f"backward log={log} {what}", magnitude)
+
+
 # ---- GPU ----
 
 def _device(index=0):
@@ -347,19 +367,7 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
         x[1, ::3] = float("-inf")
         x[3] = float("-inf")
         dy = torch.randn_like(x)
-        what = f"cols={cols} grid<={max_grid}"
-        for log in (False, True):
-            y = torch.empty_like(x)
-            softmax.forward(x, y, log)
-            ref = torch.log_softmax(x.double(), -1) if log else torch.softmax(x.double(), -1)
-            check(y, ref, dtype, f"forward log={log} {what}")
-            y = torch.where(ref.isnan(), 0.0, ref).to(dtype)
-            dx = torch.empty_like(x)
-            softmax.backward(y, dy, dx, log)
-            y64, dy64 = y.double(), dy.double()
-            dot = dy64.sum(-1, True) if log else (y64 * dy64).sum(-1, True)
-            ref_dx = dy64 - y64.exp() * dot if log else y64 * (dy64 - dot)
-            check(dx, ref_dx, dtype, f"backward log={log} {what}")
+        check_rows(softmax, x, dy, dtype, f"cols={cols} grid<={max_grid}")
 
 
 @gpu
@@ -383,23 +391,11 @@ def test_softmax_split_rows_match_float64(tail, threads, vpt, dtype, monkeypatch
         x[3] = float("-inf")
         x[4, cols // 2] = float("nan")
         dy = torch.randn_like(x)
-        what = f"rows={rows} cols={cols} chunk={chunk}"
-        for log in (False, True):
-            y = torch.empty_like(x)
-            softmax.forward(x, y, log)
-            ref = torch.log_softmax(x.double(), -1) if log else torch.softmax(x.double(), -1)
-            check(y, ref, dtype, f"forward log={log} {what}")
-            y = torch.where(ref.isnan(), 0.0, ref).to(dtype)
-            dx = torch.empty_like(x)
-            softmax.backward(y, dy, dx, log)
-            y64, dy64 = y.double(), dy.double()
-            dot = dy64.sum(-1, True) if log else (y64 * dy64).sum(-1, True)
-            ref_dx = dy64 - y64.exp() * dot if log else y64 * (dy64 - dot)
-            # dx is a difference of terms, known to within float32 rounding of the terms' size (the error
-            # model of multisoft.check): on rows of a million columns, log_softmax's exp(y) * sum(dy) reaches
-            # hundreds, so where dy nearly cancels it, |dx| is far below the terms and its 1e-4 error is
-            # 0.6-2x rtol * |dx| but 0.05x of the terms' tolerance (H200, benchmarks/tune/cupy_split_error.py).
-            check(dx, ref_dx, dtype, f"backward log={log} {what}", softmax_backward_magnitude(y, dy, -1, log))
+        # dx is a difference of terms, known to within float32 rounding of the terms' size (the error model of
+        # multisoft.check): on rows of a million columns, log_softmax's exp(y) * sum(dy) reaches hundreds, so
+        # where dy nearly cancels it, |dx| is far below the terms and its 1e-4 error is 0.6-2x rtol * |dx| but
+        # 0.05x of the terms' tolerance (H200, benchmarks/tune/cupy_split_error.py).
+        check_rows(softmax, x, dy, dtype, f"rows={rows} cols={cols} chunk={chunk}", backward_by_terms=True)
 
 
 def test_split_config_keeps_a_row_within_the_gpu(monkeypatch):

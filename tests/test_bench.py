@@ -372,7 +372,7 @@ def test_tune_scripts_set_only_settings_that_exist(monkeypatch):
 
     if importlib.util.find_spec("cupy") is None:  # the CuPy modules import cupy but need it only to launch
         monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    sys.path.insert(0, str(ROOT / "backends"))
+    monkeypatch.syspath_prepend(str(ROOT / "backends"))
     checked = 0
     for script in sorted((ROOT / "benchmarks" / "tune").glob("*.sh")):
         text = script.read_text()
