@@ -2,7 +2,7 @@
 relative to |dx| and relative to the size of dx's terms (multisoft.check.softmax_backward_magnitude).
 
 Rows as in tests/test_backend_cupy.py::test_softmax_split_rows_match_float64 (40 rows of 1073168 columns,
-256 threads of 8 vectors; row 3 of -inf only and row 4 with a NaN, whose y is taken as 0). Prints, per row
+128 threads of 16 vectors; row 3 of -inf only and row 4 with a NaN, whose y is taken as 0). Prints, per row
 kind, the largest error over each model's tolerance and the row's sum(dy).
 """
 import sys
@@ -16,7 +16,7 @@ from multisoft.check import softmax_backward_magnitude  # noqa: E402
 from multisoft_cupy import _catalog, softmax  # noqa: E402
 
 torch.manual_seed(0)
-cfg = _catalog.SplitConfig(256, 8, 8192)
+cfg = _catalog.SplitConfig(128, 16, 0, 8192, 40)  # 8192 float32 columns per block, a row each
 _catalog.split_config = lambda *args: cfg
 cols = 8192 * 131 + 16
 x = torch.randn(40, cols, device="cuda").mul(4)
