@@ -370,45 +370,37 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
         check_rows(softmax, x, dy, dtype, f"cols={cols} grid<={max_grid}")
 
 
-_SPLIT_SHAPES = sorted(set().union(*_catalog.SPLIT_CONFIGS.values()))
-
-
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads,vpt,prefetch", _SPLIT_SHAPES, ids=[f"t{t}-v{v}-p{p}" for t, v, p in _SPLIT_SHAPES])
+@pytest.mark.parametrize("threads,vpt", _catalog.SPLIT_CONFIGS, ids=[f"t{t}-v{v}" for t, v in _catalog.SPLIT_CONFIGS])
 @pytest.mark.parametrize("tail", [16, 3], ids=["vectors", "scalars"])
-def test_softmax_split_rows_match_float64(tail, threads, vpt, prefetch, dtype, monkeypatch):
+def test_softmax_split_rows_match_float64(tail, threads, vpt, dtype, monkeypatch):
     """Rows split over blocks that wait for each other: an uneven last chunk (of whole vectors, or not: scalar
     loads), a chunk of -inf only, a row of -inf only (NaN, as torch), a NaN, as many chunks per row as
-    multiprocessors over more rows than fit at once; one row per block, and blocks walking every 3rd row or
-    every row; every direction (where the shape is compiled) and mode."""
+    multiprocessors over more rows than fit at once, every direction and mode."""
     softmax, _, _ = _kernels()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     chunk = threads * vpt * (16 // dtype.itemsize)
+    cfg = _catalog.SplitConfig(threads, vpt, chunk)
+    monkeypatch.setattr(_catalog, "split_config", lambda *args: cfg)
     for rows, chunks in ((11, 7), (40, sm_count)):
-        for groups in (rows, 3, 1):
-            configs = {d: _catalog.SplitConfig(threads, vpt, prefetch, chunk, groups)
-                       for d, shapes in _catalog.SPLIT_CONFIGS.items() if (threads, vpt, prefetch) in shapes}
-            monkeypatch.setattr(_catalog, "split_config", lambda direction, *args: configs.get(direction))
-            cols = chunk * (chunks - 1) + tail
-            x = torch.randn(rows, cols, device=_device()).mul(4).to(dtype)
-            x[1, :chunk] = float("-inf")
-            x[2, ::3] = float("-inf")
-            x[3] = float("-inf")
-            x[4, cols // 2] = float("nan")
-            dy = torch.randn_like(x)
-            # dx is a difference of terms, known to within float32 rounding of the terms' size (the error model
-            # of multisoft.check): on rows of a million columns, log_softmax's exp(y) * sum(dy) reaches hundreds,
-            # so where dy nearly cancels it, |dx| is far below the terms and its 1e-4 error is 0.6-2x
-            # rtol * |dx| but 0.05x of the terms' tolerance (H200, benchmarks/tune/cupy_split_error.py).
-            check_rows(softmax, x, dy, dtype, f"rows={rows} cols={cols} chunk={chunk} groups={groups}",
-                       backward_by_terms=True)
+        cols = chunk * (chunks - 1) + tail
+        x = torch.randn(rows, cols, device=_device()).mul(4).to(dtype)
+        x[1, :chunk] = float("-inf")
+        x[2, ::3] = float("-inf")
+        x[3] = float("-inf")
+        x[4, cols // 2] = float("nan")
+        dy = torch.randn_like(x)
+        # dx is a difference of terms, known to within float32 rounding of the terms' size (the error model of
+        # multisoft.check): on rows of a million columns, log_softmax's exp(y) * sum(dy) reaches hundreds, so
+        # where dy nearly cancels it, |dx| is far below the terms and its 1e-4 error is 0.6-2x rtol * |dx| but
+        # 0.05x of the terms' tolerance (H200, benchmarks/tune/cupy_split_error.py).
+        check_rows(softmax, x, dy, dtype, f"rows={rows} cols={cols} chunk={chunk}", backward_by_terms=True)
 
 
 def test_split_config_keeps_a_row_within_the_gpu(monkeypatch):
     """Split only from SPLIT_MIN_COLUMNS on, sm_80+, with no more chunks per row than multiprocessors and a
-    compiled kernel; otherwise None (the caller then stages or uses registers). Walking blocks fill
-    SPLIT_WALK_BLOCKS_PER_SM blocks per multiprocessor, with at least one row and at most every row each."""
+    compiled kernel; otherwise None (the caller then stages or uses registers)."""
     expressions = set(_catalog.expressions("softmax.cu", "float", 90))
     for direction, elem in _catalog.SPLIT_MIN_COLUMNS:
         low = _catalog.SPLIT_MIN_COLUMNS[(direction, elem)]
@@ -417,19 +409,14 @@ def test_split_config_keeps_a_row_within_the_gpu(monkeypatch):
         for cols in (low, 262144, 1 << 20, 1 << 23):
             cfg = _catalog.split_config(direction, 8, cols, elem, 90, 132)
             if cfg is None:
-                assert all(-(-cols // (t * v * 16 // elem)) > 132 for t, v, _ in _catalog.SPLIT_CHOICES[direction])
+                assert all(-(-cols // (t * v * 16 // elem)) > 132 for t, v in _catalog.SPLIT_CHOICES[direction])
                 continue
             assert -(-cols // cfg.chunk) <= 132 and cfg.chunk == cfg.threads * cfg.vpt * (16 // elem)
             assert _catalog.split_kernel(direction, "float", cfg) in expressions
         assert _catalog.split_config(direction, 2**31 // 8, 1 << 20, elem, 90, 132) is None
-    monkeypatch.setitem(_catalog.SPLIT_CHOICES, "fwd", ((128, 4, 0), (128, 8, 1)))
+    monkeypatch.setitem(_catalog.SPLIT_CHOICES, "fwd", ((128, 4), (128, 8)))
     monkeypatch.setitem(_catalog.SPLIT_MIN_COLUMNS, ("fwd", 4), 1)
-    # (128, 4, 0) is not compiled; 32 chunks of 4096 columns; a row per block
-    assert _catalog.split_config("fwd", 8, 1 << 17, 4, 90, 132) == (128, 8, 1, 4096, 8)
-    monkeypatch.setitem(_catalog.SPLIT_WALK_BLOCKS_PER_SM, "fwd", 2)
-    assert _catalog.split_config("fwd", 100, 1 << 17, 4, 90, 132).groups == 2 * 132 // 32
-    assert _catalog.split_config("fwd", 5, 1 << 17, 4, 90, 132).groups == 5
-    assert _catalog.split_config("fwd", 100, 132 * 4096, 4, 90, 132).groups == 2
+    assert _catalog.split_config("fwd", 8, 1 << 17, 4, 90, 132) == (128, 8, 4096)  # (128, 4) is not compiled
 
 
 @gpu

@@ -105,31 +105,23 @@ STAGED_BLOCK_BYTES = 64 * 1024
 class SplitConfig(NamedTuple):
     """A long row split over blocks that wait for each other through global memory (softmax.cu,
     softmax_{fwd,bwd}_split): THREADS per block holding VPT 16-byte vectors each of every tensor, so
-    CHUNK = THREADS x VPT x VEC columns of the row per block. GROUPS x chunks blocks: each walks every
-    GROUPS-th row (one row each when GROUPS >= rows); with PREFETCH it loads its chunk of the next row
-    before waiting for the current one (twice the registers)."""
+    CHUNK = THREADS x VPT x VEC columns of the row per block."""
 
     threads: int
     vpt: int
-    prefetch: int
     chunk: int
-    groups: int
 
 
-SPLIT_CONFIGS = {"fwd": ((128, 8, 0), (128, 16, 0), (128, 8, 1), (128, 16, 1)),
-                 "bwd": ((128, 8, 0), (128, 16, 0), (128, 8, 1))}  # instantiated (threads, VPT, PREFETCH)
+SPLIT_CONFIGS = ((128, 8), (128, 16))  # instantiated (threads, VPT)
 # Split rows from these column counts on, by (direction, element size); absent: never. Measured on an H200
 # against the cluster and register kernels (tuning/cupy-split-round2..4.txt), 128 threads of 16 vectors:
 # backward float32 0.84 -> 0.98 at 131072 columns, 0.82 -> 0.95 at 262144; bf16 0.80 -> 0.91 at 262144 (rows
 # of 32768 stay on the tile: 0.99 against 0.93 split). The forward only gains in float32 from 262144 columns
 # on: 0.80 -> 0.83 (0.87 -> 0.85 at 131072); bf16 loses (0.78 -> 0.67 at 262144).
 SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536, ("fwd", 4): 262144}
-# (threads, VPT, PREFETCH) by direction: the first that cuts the row into no more chunks than the GPU has
-# multiprocessors (so that all chunks of a row can run at once).
-SPLIT_CHOICES = {"fwd": ((128, 16, 0),), "bwd": ((128, 16, 0),)}
-# Blocks per multiprocessor that walking blocks fill, by direction: GROUPS = that many blocks' worth of rows
-# (at least 1, at most every row); absent: one row per block.
-SPLIT_WALK_BLOCKS_PER_SM: dict = {}
+# (threads, VPT) by direction: the first that cuts the row into no more chunks than the GPU has multiprocessors
+# (so that all chunks of a row can run at once).
+SPLIT_CHOICES = {"fwd": ((128, 16),), "bwd": ((128, 16),)}
 SPLIT_COUNTER_STRIDE = 32  # int32s between row counters; MS_COUNTER_STRIDE in softmax.cu
 
 
@@ -146,7 +138,7 @@ def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
 
 
 def split_kernel(direction: str, ctype: str, cfg: SplitConfig) -> str:
-    return f"softmax_{direction}_split<{ctype}, {cfg.threads}, {cfg.vpt}, {cfg.prefetch}>"
+    return f"softmax_{direction}_split<{ctype}, {cfg.threads}, {cfg.vpt}>"
 
 
 def staged_kernel(direction: str, ctype: str, cfg: StagedConfig) -> str:
@@ -179,7 +171,7 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         clusters = [c for c in STAGED_CLUSTERS if c == 1 or cc >= CLUSTER_MIN_CC]
         staged = [StagedConfig(t, r, c, 0) for t, r in STAGED_BLOCKS for c in clusters]
         staged += [StagedConfig(t, r, 1, 0) for t, r in STAGED_WARPS]
-        split = [split_kernel(d, ctype, SplitConfig(*c, 0, 0)) for d in ("fwd", "bwd") for c in SPLIT_CONFIGS[d]]
+        split = [split_kernel(d, ctype, SplitConfig(t, v, 0)) for d in ("fwd", "bwd") for t, v in SPLIT_CONFIGS]
         return tuple(rows + [staged_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in staged] + split)
     if source == "cross_entropy.cu":
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
@@ -272,16 +264,11 @@ def split_config(direction: str, rows: int, columns: int, elem_size: int, cc: in
     key = (direction, elem_size)
     if cc < 80 or key not in SPLIT_MIN_COLUMNS or columns < SPLIT_MIN_COLUMNS[key]:
         return None
-    for threads, vpt, prefetch in SPLIT_CHOICES[direction]:
-        chunk = threads * vpt * (16 // elem_size)
-        chunks = -(-columns // chunk)
-        if (threads, vpt, prefetch) not in SPLIT_CONFIGS[direction] or chunks > sm_count:
-            continue
-        groups = rows
-        if direction in SPLIT_WALK_BLOCKS_PER_SM:
-            groups = min(rows, max(1, SPLIT_WALK_BLOCKS_PER_SM[direction] * sm_count // chunks))
-        if groups * chunks <= MAX_GRID:
-            return SplitConfig(threads, vpt, prefetch, chunk, groups)
+    for threads, vpt in SPLIT_CHOICES[direction]:
+        cfg = SplitConfig(threads, vpt, threads * vpt * (16 // elem_size))
+        chunks = -(-columns // cfg.chunk)
+        if (threads, vpt) in SPLIT_CONFIGS and chunks <= sm_count and rows * chunks <= MAX_GRID:
+            return cfg
     return None
 
 

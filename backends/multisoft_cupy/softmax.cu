@@ -332,16 +332,14 @@ MS_CLUSTER_KERNEL(TPR, CLUSTER, 1) softmax_bwd_staged_cluster(const T* y, const 
 
 // ---------------------------------------------------------------------------
 // Long rows split over blocks that find each other through global memory.
-// Each block takes a ticket, its start order, from counters[0]: its chunk is
-// ticket % chunks, of THREADS x VPT x VEC columns, which it holds in registers
-// as loaded (16-bit values stay packed), and its group ticket / chunks. A
-// group's blocks share rows: the group's first row and then every `groups`-th
-// (one row each when groups >= M). For each row a block publishes what its
-// chunk contributes in `partial` (2 floats per chunk forward, 1 backward),
-// counts itself on the row's counter, counters[(row + 1) * MS_COUNTER_STRIDE],
-// and waits for the row's other chunks. Tickets in start order make the wait
-// safe: a group's blocks wait only for each other, and only the newest group
-// can have blocks that have not started, so a row needs no more chunks than
+// Each block takes a ticket, its start order, from counters[0]: its row is
+// ticket / chunks, its chunk ticket % chunks, of THREADS x VPT x VEC columns,
+// which it holds in registers as loaded (16-bit values stay packed). It
+// publishes what the chunk contributes to the row in `partial` (2 floats per
+// ticket forward, 1 backward), counts itself on the row's counter,
+// counters[(row + 1) * MS_COUNTER_STRIDE], and waits for the row's other
+// chunks. Tickets in start order make the wait safe: only the newest row can
+// have chunks that have not started, so a row needs no more chunks than
 // blocks that can run at once (the caller keeps chunks <= the multiprocessor
 // count). Needs zeroed counters; any N and alignment (`vec_ok` as in the row
 // kernels). Measured on an H200 (tuning/cupy-split-round1..2.txt), chunks
@@ -380,22 +378,16 @@ __device__ __forceinline__ void arrive_and_wait(int* counter, int expected) {
     __syncthreads();
 }
 
-// Where a split block works: its chunk (index and first column) of rows of N columns, M rows in all.
-struct SplitPlace {
-    i64 M, N, start;
-    int chunks, chunk;
-    // This block's slot in `partial` for `row`; the row's slots start at slot(row) - chunk.
-    __device__ __forceinline__ i64 slot(i64 row) const { return row * chunks + chunk; }
-    __device__ __forceinline__ int* counter(int* counters, i64 row) const {
-        return counters + (row + 1) * MS_COUNTER_STRIDE;
-    }
-};
-
-// Thread 0 publishes its row group's share of the row at `slot` (all threads call it): forward
-// (max, sum of exp(x - max)), backward its part of the dot product (sum(dy) for log_softmax, sum(y * dy)).
 template <typename T, int THREADS, int VPT>
-__device__ __forceinline__ void split_fwd_publish(const typename Tile<T, THREADS, VPT>::Regs& v, float* slot) {
+__global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out, float* partial,
+                                                                  int* counters, i64 N, int chunks, int log_mode,
+                                                                  int vec_ok) {
     using TL = Tile<T, THREADS, VPT>;
+    const int ticket = take_ticket(counters);
+    const i64 row = ticket / chunks, start = (i64)(ticket % chunks) * TL::SIZE;
+    const DenseMap map;
+    typename TL::Regs v;
+    TL::load(v, x + row * N, map, start, N, threadIdx.x, vec_ok != 0, -MS_INF);
     Stats own = stats_empty();
 #pragma unroll
     for (int e = 0; e < TL::EPT; ++e) own.m = fmaxf(own.m, TL::get(v, e));
@@ -407,35 +399,15 @@ __device__ __forceinline__ void split_fwd_publish(const typename Tile<T, THREADS
     }
     own = row_reduce<THREADS, 1>(own);
     if (threadIdx.x == 0) {
-        slot[0] = own.m;
-        slot[1] = own.s;
+        partial[2 * (i64)ticket] = own.m;
+        partial[2 * (i64)ticket + 1] = own.s;
     }
-}
-
-template <typename T, int THREADS, int VPT>
-__device__ __forceinline__ void split_bwd_publish(const typename Tile<T, THREADS, VPT>::Regs& vy,
-                                                  const typename Tile<T, THREADS, VPT>::Regs& vd, float* slot,
-                                                  int log_mode) {
-    using TL = Tile<T, THREADS, VPT>;
-    Stats own = stats_empty();
-#pragma unroll
-    for (int e = 0; e < TL::EPT; ++e) own.a += log_mode ? TL::get(vd, e) : TL::get(vy, e) * TL::get(vd, e);
-    own = row_reduce<THREADS, 1>(own);
-    if (threadIdx.x == 0) *slot = own.a;
-}
-
-// Once the row's `chunks` blocks have arrived at `counter`: this chunk's output from the row's published
-// shares (`parts`, the row's first slot), written over `v` (forward) or `vd` (backward).
-template <typename T, int THREADS, int VPT>
-__device__ __forceinline__ void split_fwd_finish(typename Tile<T, THREADS, VPT>::Regs& v, const float* parts,
-                                                 int* counter, int chunks, int log_mode) {
-    using TL = Tile<T, THREADS, VPT>;
-    arrive_and_wait(counter, chunks);
+    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
     Stats st = stats_empty();
     for (int p = threadIdx.x % 32; p < chunks; p += 32) {
         Stats q = stats_empty();
-        q.m = load_relaxed(parts + 2 * p);
-        q.s = load_relaxed(parts + 2 * p + 1);
+        q.m = load_relaxed(partial + 2 * (row * chunks + p));
+        q.s = load_relaxed(partial + 2 * (row * chunks + p) + 1);
         st = stats_combine(st, q);
     }
     st = warp_reduce<32>(st);
@@ -447,16 +419,28 @@ __device__ __forceinline__ void split_fwd_finish(typename Tile<T, THREADS, VPT>:
         f[e] = log_mode ? (in - st.m) - log_sum : exp_diff(in, st.m) * inv_sum;
     }
     TL::set_all(v, f);
+    TL::store(v, out + row * N, map, start, N, threadIdx.x, vec_ok != 0);
 }
 
 template <typename T, int THREADS, int VPT>
-__device__ __forceinline__ void split_bwd_finish(const typename Tile<T, THREADS, VPT>::Regs& vy,
-                                                 typename Tile<T, THREADS, VPT>::Regs& vd, const float* parts,
-                                                 int* counter, int chunks, int log_mode) {
+__global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T* dy, T* dx, float* partial,
+                                                                  int* counters, i64 N, int chunks, int log_mode,
+                                                                  int vec_ok) {
     using TL = Tile<T, THREADS, VPT>;
-    arrive_and_wait(counter, chunks);
+    const int ticket = take_ticket(counters);
+    const i64 row = ticket / chunks, start = (i64)(ticket % chunks) * TL::SIZE, base = row * N;
+    const DenseMap map;
+    typename TL::Regs vy, vd;
+    TL::load(vy, y + base, map, start, N, threadIdx.x, vec_ok != 0, 0.f);
+    TL::load(vd, dy + base, map, start, N, threadIdx.x, vec_ok != 0, 0.f);
+    Stats own = stats_empty();
+#pragma unroll
+    for (int e = 0; e < TL::EPT; ++e) own.a += log_mode ? TL::get(vd, e) : TL::get(vy, e) * TL::get(vd, e);
+    own = row_reduce<THREADS, 1>(own);
+    if (threadIdx.x == 0) partial[ticket] = own.a;
+    arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
     float dot = 0.f;
-    for (int p = threadIdx.x % 32; p < chunks; p += 32) dot += load_relaxed(parts + p);
+    for (int p = threadIdx.x % 32; p < chunks; p += 32) dot += load_relaxed(partial + row * chunks + p);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(MS_FULL_MASK, dot, o);
     float out[TL::EPT];
@@ -466,106 +450,5 @@ __device__ __forceinline__ void split_bwd_finish(const typename Tile<T, THREADS,
         out[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
     }
     TL::set_all(vd, out);
-}
-
-// One row of a split block: publish `cur` (row `row`), load the block's chunk of its next row, row + groups,
-// into `next` (with PREFETCH before the wait, so that it arrives while the block waits; else after the store,
-// and `next` may be `cur`), then finish and store `cur`. Returns whether there is a next row.
-template <typename T, int THREADS, int VPT, int PREFETCH>
-__device__ __forceinline__ bool split_fwd_row(typename Tile<T, THREADS, VPT>::Regs& cur,
-                                              typename Tile<T, THREADS, VPT>::Regs& next, const T* x, T* out,
-                                              float* partial, int* counters, const SplitPlace& at, i64 row,
-                                              i64 groups, int log_mode, bool vec) {
-    using TL = Tile<T, THREADS, VPT>;
-    const DenseMap map;
-    const i64 next_row = row + groups;
-    const bool more = next_row < at.M;
-    split_fwd_publish<T, THREADS, VPT>(cur, partial + 2 * at.slot(row));
-    if (PREFETCH && more) TL::load(next, x + next_row * at.N, map, at.start, at.N, threadIdx.x, vec, -MS_INF);
-    split_fwd_finish<T, THREADS, VPT>(cur, partial + 2 * (at.slot(row) - at.chunk), at.counter(counters, row),
-                                      at.chunks, log_mode);
-    TL::store(cur, out + row * at.N, map, at.start, at.N, threadIdx.x, vec);
-    if (!PREFETCH && more) TL::load(next, x + next_row * at.N, map, at.start, at.N, threadIdx.x, vec, -MS_INF);
-    return more;
-}
-
-template <typename T, int THREADS, int VPT, int PREFETCH>
-__device__ __forceinline__ bool split_bwd_row(typename Tile<T, THREADS, VPT>::Regs& cur_y,
-                                              typename Tile<T, THREADS, VPT>::Regs& cur_d,
-                                              typename Tile<T, THREADS, VPT>::Regs& next_y,
-                                              typename Tile<T, THREADS, VPT>::Regs& next_d, const T* y,
-                                              const T* dy, T* dx, float* partial, int* counters,
-                                              const SplitPlace& at, i64 row, i64 groups, int log_mode, bool vec) {
-    using TL = Tile<T, THREADS, VPT>;
-    const DenseMap map;
-    const i64 next_row = row + groups;
-    const bool more = next_row < at.M;
-    split_bwd_publish<T, THREADS, VPT>(cur_y, cur_d, partial + at.slot(row), log_mode);
-    if (PREFETCH && more) {
-        TL::load(next_y, y + next_row * at.N, map, at.start, at.N, threadIdx.x, vec, 0.f);
-        TL::load(next_d, dy + next_row * at.N, map, at.start, at.N, threadIdx.x, vec, 0.f);
-    }
-    split_bwd_finish<T, THREADS, VPT>(cur_y, cur_d, partial + at.slot(row) - at.chunk, at.counter(counters, row),
-                                      at.chunks, log_mode);
-    TL::store(cur_d, dx + row * at.N, map, at.start, at.N, threadIdx.x, vec);
-    if (!PREFETCH && more) {
-        TL::load(next_y, y + next_row * at.N, map, at.start, at.N, threadIdx.x, vec, 0.f);
-        TL::load(next_d, dy + next_row * at.N, map, at.start, at.N, threadIdx.x, vec, 0.f);
-    }
-    return more;
-}
-
-template <typename T, int THREADS, int VPT, int PREFETCH>
-__global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out, float* partial,
-                                                                  int* counters, i64 M, i64 N, int chunks,
-                                                                  i64 groups, int log_mode, int vec_ok) {
-    using TL = Tile<T, THREADS, VPT>;
-    const int ticket = take_ticket(counters);
-    const int chunk = ticket % chunks;
-    const SplitPlace at{M, N, (i64)chunk * TL::SIZE, chunks, chunk};
-    const bool vec = vec_ok != 0;
-    i64 row = ticket / chunks;
-    typename TL::Regs a, b;
-    TL::load(a, x + row * N, DenseMap{}, at.start, N, threadIdx.x, vec, -MS_INF);
-    if constexpr (PREFETCH) {
-        for (;; row += 2 * groups) {
-            if (!split_fwd_row<T, THREADS, VPT, 1>(a, b, x, out, partial, counters, at, row, groups, log_mode, vec))
-                break;
-            if (!split_fwd_row<T, THREADS, VPT, 1>(b, a, x, out, partial, counters, at, row + groups, groups,
-                                                   log_mode, vec))
-                break;
-        }
-    } else {
-        while (split_fwd_row<T, THREADS, VPT, 0>(a, a, x, out, partial, counters, at, row, groups, log_mode, vec))
-            row += groups;
-    }
-}
-
-template <typename T, int THREADS, int VPT, int PREFETCH>
-__global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T* dy, T* dx, float* partial,
-                                                                  int* counters, i64 M, i64 N, int chunks,
-                                                                  i64 groups, int log_mode, int vec_ok) {
-    using TL = Tile<T, THREADS, VPT>;
-    const int ticket = take_ticket(counters);
-    const int chunk = ticket % chunks;
-    const SplitPlace at{M, N, (i64)chunk * TL::SIZE, chunks, chunk};
-    const bool vec = vec_ok != 0;
-    i64 row = ticket / chunks;
-    typename TL::Regs ay, ad, by, bd;
-    TL::load(ay, y + row * N, DenseMap{}, at.start, N, threadIdx.x, vec, 0.f);
-    TL::load(ad, dy + row * N, DenseMap{}, at.start, N, threadIdx.x, vec, 0.f);
-    if constexpr (PREFETCH) {
-        for (;; row += 2 * groups) {
-            if (!split_bwd_row<T, THREADS, VPT, 1>(ay, ad, by, bd, y, dy, dx, partial, counters, at, row, groups,
-                                                   log_mode, vec))
-                break;
-            if (!split_bwd_row<T, THREADS, VPT, 1>(by, bd, ay, ad, y, dy, dx, partial, counters, at, row + groups,
-                                                   groups, log_mode, vec))
-                break;
-        }
-    } else {
-        while (split_bwd_row<T, THREADS, VPT, 0>(ay, ad, ay, ad, y, dy, dx, partial, counters, at, row, groups,
-                                                 log_mode, vec))
-            row += groups;
-    }
+    TL::store(vd, dx + base, map, start, N, threadIdx.x, vec_ok != 0);
 }

@@ -22,9 +22,9 @@ def _run(direction: str, tensors: list[torch.Tensor], out: torch.Tensor, log: bo
         partial = torch.empty(rows * chunks * (2 if direction == "fwd" else 1), dtype=torch.float32,
                               device=out.device)
         counters = torch.zeros((rows + 1) * _catalog.SPLIT_COUNTER_STRIDE, dtype=torch.int32, device=out.device)
-        args = (*(ptr(t) for t in tensors), ptr(out), ptr(partial), ptr(counters), i64(rows), i64(cols),
-                i32(chunks), i64(split.groups), i32(log), i32(vec))
-        launch(out, SOURCE, _catalog.split_kernel(direction, ctype(out.dtype), split), (split.groups * chunks, 1, 1),
+        args = (*(ptr(t) for t in tensors), ptr(out), ptr(partial), ptr(counters), i64(cols), i32(chunks), i32(log),
+                i32(vec))
+        launch(out, SOURCE, _catalog.split_kernel(direction, ctype(out.dtype), split), (rows * chunks, 1, 1),
                (split.threads, 1, 1), args)
         return
     staged = _catalog.staged_config(direction, cols, elem, cc, shared_memory(index)) if vec else None

@@ -16,7 +16,7 @@ from multisoft.check import softmax_backward_magnitude  # noqa: E402
 from multisoft_cupy import _catalog, softmax  # noqa: E402
 
 torch.manual_seed(0)
-cfg = _catalog.SplitConfig(128, 16, 0, 8192, 40)  # 8192 float32 columns per block, a row each
+cfg = _catalog.SplitConfig(128, 16, 8192)  # 8192 float32 columns per block
 _catalog.split_config = lambda *args: cfg
 cols = 8192 * 131 + 16
 x = torch.randn(40, cols, device="cuda").mul(4)
