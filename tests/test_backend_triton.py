@@ -191,17 +191,23 @@ def test_second_device():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("capped", [True, False], ids=["maxnreg", "uncapped"])
-def test_long_rows_split_path_special_rows(columns, dtype, log, capped, monkeypatch):
-    """Rows of -inf only, a NaN, every third entry -inf, with the split forward's register cap
-    (SPLIT_FORWARD_MAXNREG: some values wait in local memory) and without."""
+@pytest.mark.parametrize("held", [False, True], ids=["default", "held"])
+def test_long_rows_split_path_special_rows(columns, dtype, log, capped, held, monkeypatch):
+    """Rows of -inf only, a NaN, every third entry -inf, values near -300 with a first chunk of -inf only,
+    with the split forward's register cap (SPLIT_FORWARD_MAXNREG: some values wait in local memory) and
+    without; `held`: every dtype's chunks held in registers (no SPLIT_STREAM)."""
     from multisoft_triton import softmax
 
     if not capped:
         monkeypatch.setattr(softmax, "SPLIT_FORWARD_MAXNREG", {})
-    x = (torch.randn(4, columns, device="cuda") * 4).to(dtype)
+    if held:
+        monkeypatch.setattr(softmax, "SPLIT_STREAM", {})
+    x = (torch.randn(5, columns, device="cuda") * 4).to(dtype)
     x[1] = float("-inf")
     x[2, 1000] = float("nan")
     x[3, 5::3] = float("-inf")
+    x[4] -= 300
+    x[4, :16384] = float("-inf")  # a whole chunk of every SPLIT_CONFIGS size
     _check_softmax(x, log)
 
 

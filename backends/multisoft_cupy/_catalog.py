@@ -116,9 +116,11 @@ SPLIT_CONFIGS = ((128, 8), (128, 16))  # instantiated (threads, VPT)
 # Split rows from these column counts on, by (direction, element size); absent: never. Measured on an H200
 # against the cluster and register kernels (tuning/cupy-split-round2..4.txt), 128 threads of 16 vectors:
 # backward float32 0.84 -> 0.98 at 131072 columns, 0.82 -> 0.95 at 262144; bf16 0.80 -> 0.91 at 262144 (rows
-# of 32768 stay on the tile: 0.99 against 0.93 split). The forward only gains in float32 from 262144 columns
-# on: 0.80 -> 0.83 (0.87 -> 0.85 at 131072); bf16 loses (0.78 -> 0.67 at 262144).
-SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536, ("fwd", 4): 262144}
+# of 32768 stay on the tile: 0.99 against 0.93 split). The forward only gains in float32, since it takes one
+# exponential per element (tuning/split-exp-once-round1.txt, against the staged kernels): 0.83 -> 0.87 at
+# 65536 columns, 0.87 -> 0.88 at 131072; 0.87 at 262144 (0.84 in session 8's run, two exponentials); bf16 loses
+# (0.79 -> 0.66 at 262144), as do rows of 32768 (0.96 on the tile, 0.91 split).
+SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536, ("fwd", 4): 65536}
 # (threads, VPT) by direction: the first that cuts the row into no more chunks than the GPU has multiprocessors
 # (so that all chunks of a row can run at once).
 SPLIT_CHOICES = {"fwd": ((128, 16),), "bwd": ((128, 16),)}

@@ -378,25 +378,30 @@ __device__ __forceinline__ void arrive_and_wait(int* counter, int expected) {
     __syncthreads();
 }
 
-template <typename T, int THREADS, int VPT>
-__global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out, float* partial,
-                                                                  int* counters, i64 N, int chunks, int log_mode,
-                                                                  int vec_ok) {
+// The split forward of one block. softmax keeps exp(x - the thread's max) as floats for the output, which is
+// then that times exp(thread max - row max) / sum: one exponential per element (log_softmax needs one anyway).
+template <typename T, int THREADS, int VPT, bool LOG>
+__device__ __forceinline__ void split_forward(const T* x, T* out, float* partial, int* counters, i64 N, int chunks,
+                                              bool vec) {
     using TL = Tile<T, THREADS, VPT>;
     const int ticket = take_ticket(counters);
     const i64 row = ticket / chunks, start = (i64)(ticket % chunks) * TL::SIZE;
     const DenseMap map;
     typename TL::Regs v;
-    TL::load(v, x + row * N, map, start, N, threadIdx.x, vec_ok != 0, -MS_INF);
+    TL::load(v, x + row * N, map, start, N, threadIdx.x, vec, -MS_INF);
     Stats own = stats_empty();
 #pragma unroll
     for (int e = 0; e < TL::EPT; ++e) own.m = fmaxf(own.m, TL::get(v, e));
-    if (own.m != -MS_INF) {
-        float s = 0.f;
+    const float thread_max = own.m, shift = own.m == -MS_INF ? 0.f : own.m;  // -inf only: exp(-inf - 0) = 0
+    float f[TL::EPT];
+    float s = 0.f;
 #pragma unroll
-        for (int e = 0; e < TL::EPT; ++e) s += exp_diff(TL::get(v, e), own.m);
-        own.s = s;
+    for (int e = 0; e < TL::EPT; ++e) {
+        const float term = exp_diff(TL::get(v, e), shift);
+        if constexpr (!LOG) f[e] = term;
+        s += term;
     }
+    own.s = s;
     own = row_reduce<THREADS, 1>(own);
     if (threadIdx.x == 0) {
         partial[2 * (i64)ticket] = own.m;
@@ -411,15 +416,26 @@ __global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out,
         st = stats_combine(st, q);
     }
     st = warp_reduce<32>(st);
-    const float inv_sum = 1.f / st.s, log_sum = logf(st.s);
-    float f[TL::EPT];
+    if constexpr (LOG) {
+        const float log_sum = logf(st.s);
 #pragma unroll
-    for (int e = 0; e < TL::EPT; ++e) {
-        const float in = TL::get(v, e);
-        f[e] = log_mode ? (in - st.m) - log_sum : exp_diff(in, st.m) * inv_sum;
+        for (int e = 0; e < TL::EPT; ++e) f[e] = (TL::get(v, e) - st.m) - log_sum;
+    } else {
+        // exp(thread max - row max) / sum: 0 for a thread of -inf only, NaN for a row of -inf only, as torch
+        const float scale = exp_diff(thread_max, st.m) / st.s;
+#pragma unroll
+        for (int e = 0; e < TL::EPT; ++e) f[e] *= scale;
     }
     TL::set_all(v, f);
-    TL::store(v, out + row * N, map, start, N, threadIdx.x, vec_ok != 0);
+    TL::store(v, out + row * N, map, start, N, threadIdx.x, vec);
+}
+
+template <typename T, int THREADS, int VPT>
+__global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out, float* partial,
+                                                                  int* counters, i64 N, int chunks, int log_mode,
+                                                                  int vec_ok) {
+    if (log_mode) split_forward<T, THREADS, VPT, true>(x, out, partial, counters, N, chunks, vec_ok != 0);
+    else split_forward<T, THREADS, VPT, false>(x, out, partial, counters, N, chunks, vec_ok != 0);
 }
 
 template <typename T, int THREADS, int VPT>
