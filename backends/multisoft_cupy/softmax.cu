@@ -7,6 +7,15 @@
 // each other through global memory.
 #include "common.cuh"
 
+// An output from its input and the row's max, 1 / sum and log(sum) of exp(x - max); a gradient from y, dy and
+// the row's dot product (sum(dy) for log_softmax, sum(y * dy) for softmax).
+__device__ __forceinline__ float softmax_value(float x, float row_max, float inv_sum, float log_sum, int log_mode) {
+    return log_mode ? (x - row_max) - log_sum : exp_diff(x, row_max) * inv_sum;
+}
+__device__ __forceinline__ float softmax_gradient(float y, float dy, float dot, int log_mode) {
+    return log_mode ? dy - exp_diff(y, 0.f) * dot : y * (dy - dot);
+}
+
 template <typename T, int TPR, int ROWS, int VPT, int CLUSTER>
 __device__ __forceinline__ void softmax_fwd_rows(const T* x, T* out, i64 M, i64 N, int log_mode, int vec_ok) {
     using TL = Tile<T, TPR, VPT>;
@@ -68,7 +77,7 @@ __device__ __forceinline__ void softmax_fwd_rows(const T* x, T* out, i64 M, i64 
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) {
                 const float in = TL::get(v, e);
-                f[e] = log_mode ? (in - st.m) - log_sum : exp_diff(in, st.m) * inv_sum;
+                f[e] = softmax_value(in, st.m, inv_sum, log_sum, log_mode);
             }
             TL::set_all(v, f);
             TL::store(v, yr, map, t * TL::SIZE, N, lane, vec);
@@ -111,7 +120,7 @@ __device__ __forceinline__ void softmax_bwd_rows(const T* y, const T* dy, T* dx,
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) {
                 const float fy = TL::get(vy, e), fd = TL::get(vd, e);
-                out[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
+                out[e] = softmax_gradient(fy, fd, dot, log_mode);
             }
             TL::set_all(vd, out);
             TL::store(vd, dx + base, map, t * TL::SIZE, N, lane, vec);
@@ -239,7 +248,7 @@ __device__ __forceinline__ void staged_normalise(const uint4* xs, T* dst, int ve
 #pragma unroll
         for (int e = 0; e < S::VEC; ++e) {
             const float in = S::V::get(r, e);
-            f[e] = log_mode ? (in - row.m) - log_sum : exp_diff(in, row.m) * inv_sum;
+            f[e] = softmax_value(in, row.m, inv_sum, log_sum, log_mode);
         }
         to[i] = S::pack(f);
     }
@@ -257,7 +266,7 @@ __device__ __forceinline__ void staged_gradient(const uint4* ys, const uint4* ds
 #pragma unroll
         for (int e = 0; e < S::VEC; ++e) {
             const float fy = S::V::get(ry, e), fd = S::V::get(rd, e);
-            f[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
+            f[e] = softmax_gradient(fy, fd, dot, log_mode);
         }
         to[i] = S::pack(f);
     }
@@ -463,7 +472,7 @@ __global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T
 #pragma unroll
     for (int e = 0; e < TL::EPT; ++e) {
         const float fy = TL::get(vy, e), fd = TL::get(vd, e);
-        out[e] = log_mode ? fd - exp_diff(fy, 0.f) * dot : fy * (fd - dot);
+        out[e] = softmax_gradient(fy, fd, dot, log_mode);
     }
     TL::set_all(vd, out);
     TL::store(vd, dx + base, map, start, N, threadIdx.x, vec_ok != 0);
