@@ -51,6 +51,8 @@ RAW_FROM = {"backward tile": 16384, "backward split": 0}
 # 0.85-0.87, bf16 (the streaming kernel) 0.69-0.71 -> 0.70-0.74; tighter caps spilled more and lost, and the
 # backward lost at every cap.
 SPLIT_FORWARD_MAXNREG = {4: 48, 2: 40}
+# The held split forward of softmax takes one exponential per element (_fwd_split_kernel's EXP_ONCE).
+SPLIT_EXP_ONCE = False
 
 
 @triton.jit
@@ -135,18 +137,22 @@ def _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2: tl.cons
 @triton.jit
 def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr):
+                      COUNTER_STRIDE: tl.constexpr, EXP_ONCE: tl.constexpr):
+    """EXP_ONCE (softmax): keep e = exp(x - the chunk's max) for the output, e * exp(chunk max - row max) /
+    sum, instead of x and a second exponential."""
     row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
     x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
     local_max = tl.max(x, axis=0)
+    e = fast_exp(x - safe_shift(local_max))
     tl.store(max_ptr + ticket, local_max)
-    tl.store(sum_ptr + ticket, tl.sum(fast_exp(x - safe_shift(local_max)), axis=0))
+    tl.store(sum_ptr + ticket, tl.sum(e, axis=0))
     row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
-    shifted = x - row_max
     if LOG:
-        y = shifted - tl.log(total)
+        y = (x - row_max) - tl.log(total)
+    elif EXP_ONCE:
+        y = e * (fast_exp(local_max - row_max) / total)  # 0 for a chunk of -inf only, NaN for a row of them
     else:
-        y = fast_exp(shifted) * (1.0 / total)
+        y = fast_exp(x - row_max) * (1.0 / total)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -314,7 +320,7 @@ def forward(x, out, log):
         _fwd_split_kernel[(M * chunks,)](
             x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, EXP_ONCE=SPLIT_EXP_ONCE, num_warps=warps, **options)
 
 
 def backward(y, dy, dx, log):
