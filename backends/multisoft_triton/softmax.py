@@ -51,8 +51,13 @@ RAW_FROM = {"backward tile": 16384, "backward split": 0}
 # 0.85-0.87, bf16 (the streaming kernel) 0.69-0.71 -> 0.70-0.74; tighter caps spilled more and lost, and the
 # backward lost at every cap.
 SPLIT_FORWARD_MAXNREG = {4: 48, 2: 40}
-# The held split forward of softmax takes one exponential per element (_fwd_split_kernel's EXP_ONCE).
-SPLIT_EXP_ONCE = False
+# By element size: (low, high, chunk, num_warps, maxnreg) of the held split forward for rows of low < N <= high
+# columns, in place of SPLIT_CONFIGS and SPLIT_FORWARD_MAXNREG. float32: 8192-column chunks over 4 warps (64
+# values a thread, as CuPy's split), 128 registers, no spills. Measured on an H200
+# (benchmarks/results/tuning/triton-split-exp-round1.txt, -band-round1.txt) against 4096 over 4 warps at 48:
+# 0.84 -> 0.87 at 131072 columns and 0.81 -> 0.83 at 262144; slower at 65536 (0.86 -> 0.82) and 524288
+# (0.81 -> 0.74).
+SPLIT_FORWARD_BAND = {4: (65536, 262144, 8192, 4, 128)}
 
 
 @triton.jit
@@ -137,22 +142,18 @@ def _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2: tl.cons
 @triton.jit
 def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr, EXP_ONCE: tl.constexpr):
-    """EXP_ONCE (softmax): keep e = exp(x - the chunk's max) for the output, e * exp(chunk max - row max) /
-    sum, instead of x and a second exponential."""
+                      COUNTER_STRIDE: tl.constexpr):
     row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
     x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
     local_max = tl.max(x, axis=0)
-    e = fast_exp(x - safe_shift(local_max))
     tl.store(max_ptr + ticket, local_max)
-    tl.store(sum_ptr + ticket, tl.sum(e, axis=0))
+    tl.store(sum_ptr + ticket, tl.sum(fast_exp(x - safe_shift(local_max)), axis=0))
     row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
+    shifted = x - row_max
     if LOG:
-        y = (x - row_max) - tl.log(total)
-    elif EXP_ONCE:
-        y = e * (fast_exp(local_max - row_max) / total)  # 0 for a chunk of -inf only, NaN for a row of them
+        y = shifted - tl.log(total)
     else:
-        y = fast_exp(x - row_max) * (1.0 / total)
+        y = fast_exp(shifted) * (1.0 / total)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -315,12 +316,16 @@ def forward(x, out, log):
                 COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
             return
         chunk, warps = config
+        band = SPLIT_FORWARD_BAND.get(x.element_size())
+        if band is not None and band[0] < N <= band[1] and triton.cdiv(N, band[2]) <= sm_count(x):
+            _, _, chunk, warps, cap = band
+            options = {"maxnreg": cap}
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
         _fwd_split_kernel[(M * chunks,)](
             x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, EXP_ONCE=SPLIT_EXP_ONCE, num_warps=warps, **options)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
 
 
 def backward(y, dy, dx, log):
