@@ -51,13 +51,6 @@ RAW_FROM = {"backward tile": 16384, "backward split": 0}
 # 0.85-0.87, bf16 (the streaming kernel) 0.69-0.71 -> 0.70-0.74; tighter caps spilled more and lost, and the
 # backward lost at every cap.
 SPLIT_FORWARD_MAXNREG = {4: 48, 2: 40}
-# By element size: (low, high, chunk, num_warps, maxnreg) of the held split forward for rows of low < N <= high
-# columns, in place of SPLIT_CONFIGS and SPLIT_FORWARD_MAXNREG. float32: 8192-column chunks over 4 warps (64
-# values a thread, as CuPy's split), 128 registers, no spills. Measured on an H200
-# (benchmarks/results/tuning/triton-split-exp-round1.txt, -band-round1.txt) against 4096 over 4 warps at 48:
-# 0.84 -> 0.87 at 131072 columns and 0.81 -> 0.83 at 262144; slower at 65536 (0.86 -> 0.82) and 524288
-# (0.81 -> 0.74).
-SPLIT_FORWARD_BAND = {4: (65536, 262144, 8192, 4, 128)}
 
 
 @triton.jit
@@ -316,10 +309,6 @@ def forward(x, out, log):
                 COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
             return
         chunk, warps = config
-        band = SPLIT_FORWARD_BAND.get(x.element_size())
-        if band is not None and band[0] < N <= band[1] and triton.cdiv(N, band[2]) <= sm_count(x):
-            _, _, chunk, warps, cap = band
-            options = {"maxnreg": cap}
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
         _fwd_split_kernel[(M * chunks,)](

@@ -56,11 +56,6 @@ def configurations():
         found.append((f"softmax-fwd-split-{dtype}-{chunk}", softmax._fwd_split_kernel,
                       {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
                       split, warps, cap))
-        if size in softmax.SPLIT_FORWARD_BAND:
-            *_, band_chunk, band_warps, band_cap = softmax.SPLIT_FORWARD_BAND[size]
-            found.append((f"softmax-fwd-split-band-{dtype}-{band_chunk}", softmax._fwd_split_kernel,
-                          {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
-                          {**split, "CHUNK": band_chunk}, band_warps, {"maxnreg": band_cap}))
         if size in softmax.SPLIT_STREAM:
             chunk_s, sub, warps_s, stages = softmax.SPLIT_STREAM[size]
             found.append((f"softmax-fwd-split-stream-{dtype}-{chunk_s}", softmax._fwd_split_stream_kernel,
