@@ -118,8 +118,9 @@ SPLIT_CONFIGS = ((128, 8), (128, 16))  # instantiated (threads, VPT)
 # backward float32 0.84 -> 0.98 at 131072 columns, 0.82 -> 0.95 at 262144; bf16 0.80 -> 0.91 at 262144 (rows
 # of 32768 stay on the tile: 0.99 against 0.93 split). The forward only gains in float32, since it takes one
 # exponential per element (tuning/split-exp-once-round1.txt, against the staged kernels): 0.83 -> 0.87 at
-# 65536 columns, 0.87 -> 0.88 at 131072; 0.87 at 262144 (0.84 in session 8's run, two exponentials); bf16 loses
-# (0.79 -> 0.66 at 262144), as do rows of 32768 (0.96 on the tile, 0.91 split).
+# 65536 columns, 0.87 -> 0.88 at 131072; bf16 loses (0.79 -> 0.66 at 262144), as do rows of 32768 (0.96 on the
+# tile, 0.91 split). One exponential against two, same run (cupy-split-exp-once-round1.txt): softmax 0.83-0.85
+# -> 0.87-0.88 at 65536-262144 columns, log_softmax (one either way) level.
 SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536, ("fwd", 4): 65536}
 # (threads, VPT) by direction: the first that cuts the row into no more chunks than the GPU has multiprocessors
 # (so that all chunks of a row can run at once).
