@@ -375,21 +375,14 @@ __device__ __forceinline__ int take_ticket(int* counters) {
     return ticket;
 }
 
-// Adds 1 at `p` with release semantics (this thread's earlier writes are visible to whoever acquires the
-// new count) and acquire semantics (so are the writes of those counted before); returns the count before.
-__device__ __forceinline__ int add_acq_rel(int* p) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
-    return old;
-}
-
 // Thread 0, having written this block's partial results, counts the block at `counter` and waits until
-// `expected` blocks have (the last to arrive does not wait); then the whole block may read the others'
-// partial results.
+// `expected` blocks have; then the whole block may read the others' partial results.
 __device__ __forceinline__ void arrive_and_wait(int* counter, int expected) {
     if (threadIdx.x == 0) {
-        int arrived = add_acq_rel(counter) + 1;
-        while (arrived < expected) arrived = load_acquire(counter);
+        __threadfence();
+        atomicAdd(counter, 1);
+        while (load_acquire(counter) < expected) {
+        }
     }
     __syncthreads();
 }
