@@ -376,8 +376,8 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
 @pytest.mark.parametrize("tail", [16, 3], ids=["vectors", "scalars"])
 def test_softmax_split_rows_match_float64(tail, threads, vpt, dtype, monkeypatch):
     """Rows split over blocks that wait for each other: an uneven last chunk (of whole vectors, or not: scalar
-    loads), a chunk of -inf only (in a row of values near -300), a row of -inf only (NaN, as torch), a NaN, as many chunks per row as
-    multiprocessors over more rows than fit at once, every direction and mode."""
+    loads), a chunk of -inf only (in a row of values near -300), a row of -inf only (NaN, as torch), a NaN,
+    as many chunks per row as multiprocessors over more rows than fit at once, every direction and mode."""
     softmax, _, _ = _kernels()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     chunk = threads * vpt * (16 // dtype.itemsize)

@@ -7,6 +7,8 @@ import importlib.util
 
 import torch
 
+from . import _catalog  # imports no CUDA framework
+
 NAME = "cupy"
 PRIORITY = 200
 INSTALL = "pip install 'multisoft[cupy-cuda12]' or 'multisoft[cupy-cuda13]'"
@@ -41,13 +43,11 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def notes() -> list[str]:
-    from ._catalog import SPLIT_MIN_COLUMNS  # imports no CUDA framework
-
     return [
         "kernels compile on first use per device, dtype and shape class (NVRTC); "
         "CuPy caches binaries on disk ($CUPY_CACHE_DIR)",
         "long rows are split over blocks that exchange their chunk's statistics through global memory (the "
-        f"backward, and the float32 forward from {SPLIT_MIN_COLUMNS[('fwd', 4)]} columns), or staged in shared "
-        "memory (cp.async; a cluster of blocks per long row), where that measured faster, else held in "
-        "registers; rows longer than any of these holds are read twice",
+        f"backward, and the float32 forward from {_catalog.SPLIT_MIN_COLUMNS[('fwd', 4)]} columns), or "
+        "staged in shared memory (cp.async; a cluster of blocks per long row), where that measured faster, "
+        "else held in registers; rows longer than any of these holds are read twice",
     ]
