@@ -88,6 +88,20 @@ def test_softmax_infinities(backend, log, dtype):
                  softmax_backward_magnitude(y, dy, -1, log)[finite])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@on_each_backend
+def test_softmax_large_offsets(backend, log, dtype):
+    """Rows of x + c for large c: kernels round the shift of their exponentials (CuPy's 16-bit ones switch
+    their scale at |max| = 2^20), and close neighbours, ties and all-equal rows must still come out right."""
+    offsets = [300.0, -3000.0, 60000.0] + ([] if dtype == torch.float16 else [2.0**20, -(2.0**21), 1e30])
+    op = multisoft.log_softmax if log else multisoft.softmax
+    for n in (1000, 4096) if simulated(backend) else (1000, 4096, 70_000, 262_144):
+        x = torch.randn(len(offsets), n, device=DEVICE) * 3 + torch.tensor(offsets, device=DEVICE)[:, None]
+        x = x.to(dtype)
+        assert_close(op(x, -1, backend=backend), reference_softmax(x, -1, log), dtype, f"{n} columns")
+
+
 # -- cross_entropy
 
 CE_CASES = {

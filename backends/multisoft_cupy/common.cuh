@@ -44,6 +44,47 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 __device__ __forceinline__ float exp_diff(float x, float m) { return exp2_approx((x - m) * 1.4426950408889634f); }
 
+// exp(x - m) for the values x of a T tensor and one m that is one of them (their max), for many x. 16-bit
+// values take one FFMA and ex2: 2^(x * log2(e) - shift), shift = m * log2(e) rounded. The rounding's residual
+// (exact, from an FMA; below 1/16 while |m| < 2^20) is a factor common to every term, taken out once by
+// `unshift`, so the terms are as exact as exp_diff's. From |m| = 2^20 on (bfloat16 only) every other value
+// is at least 4096 away from m, its term 0 either way; the scale is then 1/16, which keeps m * scale exact.
+// float32 values can be large with close neighbours, so they take exp_diff (x - m exact, then a multiply).
+template <typename T>
+struct ShiftedExp {
+    float m, scale, shift, residual;
+    __device__ __forceinline__ explicit ShiftedExp(float m_) : m(m_), scale(0.f), shift(0.f), residual(0.f) {
+        if constexpr (sizeof(T) == 2) {
+            scale = fabsf(m) < 1048576.f ? 1.4426950408889634f : 0.0625f;
+            shift = m * scale;
+            residual = fmaf(m, scale, -shift);
+        }
+    }
+    __device__ __forceinline__ float operator()(float x) const {
+        if constexpr (sizeof(T) == 2) return exp2_approx(fmaf(x, scale, -shift));
+        else return exp_diff(x, m);
+    }
+    // A sum of terms (or a factor applied to them) -> the same for the exact exp(x - m).
+    __device__ __forceinline__ float unshift(float v) const {
+        if constexpr (sizeof(T) == 2) return v * exp2_approx(-residual);
+        else return v;
+    }
+};
+
+// The larger value of each 16-bit half of a and b, NaN where either is NaN: a 16-bit row's max without
+// widening it (sm_80+).
+template <typename T> __device__ __forceinline__ u32 max_pairs(u32 a, u32 b);
+template <> __device__ __forceinline__ u32 max_pairs<bf16_t>(u32 a, u32 b) {
+    u32 d;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+template <> __device__ __forceinline__ u32 max_pairs<f16_t>(u32 a, u32 b) {
+    u32 d;
+    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
 // Raw bits <-> float for each element type; 16-bit elements sit two to a
 // 32-bit word (element 0 in the low half), as in memory.
 template <typename T> struct Elem;
@@ -96,6 +137,20 @@ struct Tile {
         }
     }
     __device__ static __forceinline__ void set(Regs& r, int e, float f) { put_bits(r, e, Elem<T>::bits(f)); }
+    // The largest value held (16-bit pairs compared as they are, without widening).
+    __device__ static __forceinline__ float max_value(const Regs& r) {
+        if constexpr (PER_WORD == 1) {
+            float m = __uint_as_float(r.w[0]);
+#pragma unroll
+            for (int i = 1; i < VPT * 4; ++i) m = fmaxf(m, __uint_as_float(r.w[i]));
+            return m;
+        } else {
+            u32 m = r.w[0];
+#pragma unroll
+            for (int i = 1; i < VPT * 4; ++i) m = max_pairs<T>(m, r.w[i]);
+            return fmaxf(Elem<T>::get(m, 0), Elem<T>::get(m, 1));
+        }
+    }
     // Packs all EPT values at once (no read of the previous contents).
     __device__ static __forceinline__ void set_all(Regs& r, const float (&y)[EPT]) {
 #pragma unroll

@@ -23,15 +23,13 @@ __device__ __forceinline__ void ce_fwd_rows(const T* logits, const TI* target, c
         for (i64 tile = rank; tile < ntiles; tile += CLUSTER) {
             const i64 start = tile * TL::SIZE;
             TL::load(v, xr, map, start, C, lane, vec, -MS_INF);
-            float tile_max = -MS_INF;
-#pragma unroll
-            for (int e = 0; e < TL::EPT; ++e) tile_max = fmaxf(tile_max, TL::get(v, e));
-            st = stats_shift(st, tile_max);
+            st = stats_shift(st, TL::max_value(v));
             if (st.m != -MS_INF) {
+                const ShiftedExp<T> ex(st.m);
                 float acc = 0.f;
 #pragma unroll
-                for (int e = 0; e < TL::EPT; ++e) acc += exp_diff(TL::get(v, e), st.m);
-                st.s += acc;
+                for (int e = 0; e < TL::EPT; ++e) acc += ex(TL::get(v, e));
+                st.s += ex.unshift(acc);
             }
             if (smooth) {
 #pragma unroll

@@ -7,11 +7,7 @@
 // each other through global memory.
 #include "common.cuh"
 
-// An output from its input and the row's max, 1 / sum and log(sum) of exp(x - max); a gradient from y, dy and
-// the row's dot product (sum(dy) for log_softmax, sum(y * dy) for softmax).
-__device__ __forceinline__ float softmax_value(float x, float row_max, float inv_sum, float log_sum, int log_mode) {
-    return log_mode ? (x - row_max) - log_sum : exp_diff(x, row_max) * inv_sum;
-}
+// A gradient from y, dy and the row's dot product (sum(dy) for log_softmax, sum(y * dy) for softmax).
 __device__ __forceinline__ float softmax_gradient(float y, float dy, float dot, int log_mode) {
     return log_mode ? dy - exp_diff(y, 0.f) * dot : y * (dy - dot);
 }
@@ -26,38 +22,40 @@ __device__ __forceinline__ void softmax_fwd_rows(const T* x, T* out, i64 M, i64 
     const bool vec = vec_ok != 0;
     const DenseMap map;
     typename TL::Regs v;
-    // The newest tile as floats: x for log_softmax, exp(x - own max) for softmax,
-    // so that a row held in registers takes one exponential per element.
+    // The newest tile as floats: x for log_softmax, exp(x - own max) for softmax (times own_fix, see
+    // ShiftedExp), so that a row held in registers takes one exponential per element.
     float f[TL::EPT];
     for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
         const T* xr = x + row * N;
         T* yr = out + row * N;
         Stats st = stats_empty();
+        float own_fix = 1.f;
         i64 last = -1;
         for (i64 t = rank; t < ntiles; t += CLUSTER) {
             TL::load(v, xr, map, t * TL::SIZE, N, lane, vec, -MS_INF);
-            float tile_max = -MS_INF;
 #pragma unroll
-            for (int e = 0; e < TL::EPT; ++e) {
-                f[e] = TL::get(v, e);
-                tile_max = fmaxf(tile_max, f[e]);
-            }
-            st = stats_shift(st, tile_max);
+            for (int e = 0; e < TL::EPT; ++e) f[e] = TL::get(v, e);
+            st = stats_shift(st, TL::max_value(v));
             float acc = 0.f;
             if (st.m == -MS_INF) {  // nothing but -inf so far
                 if (!log_mode) {
 #pragma unroll
                     for (int e = 0; e < TL::EPT; ++e) f[e] = 0.f;
                 }
-            } else if (log_mode) {
-#pragma unroll
-                for (int e = 0; e < TL::EPT; ++e) acc += exp_diff(f[e], st.m);
             } else {
+                const ShiftedExp<T> ex(st.m);
+                if (log_mode) {
 #pragma unroll
-                for (int e = 0; e < TL::EPT; ++e) {
-                    f[e] = exp_diff(f[e], st.m);
-                    acc += f[e];
+                    for (int e = 0; e < TL::EPT; ++e) acc += ex(f[e]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < TL::EPT; ++e) {
+                        f[e] = ex(f[e]);
+                        acc += f[e];
+                    }
                 }
+                own_fix = ex.unshift(1.f);
+                acc *= own_fix;
             }
             st.s += acc;
             last = t;
@@ -65,19 +63,22 @@ __device__ __forceinline__ void softmax_fwd_rows(const T* x, T* out, i64 M, i64 
         const float own_max = st.m;
         st = row_reduce<TPR, CLUSTER>(st);
         const float inv_sum = 1.f / st.s, log_sum = logf(st.s);
-        const float own_scale = exp_diff(own_max, st.m) * inv_sum;  // turns f into probabilities
+        const float own_scale = exp_diff(own_max, st.m) * inv_sum * own_fix;  // turns f into probabilities
         if (last >= 0) {  // the newest tile, still in registers
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) f[e] = log_mode ? (f[e] - st.m) - log_sum : f[e] * own_scale;
             TL::set_all(v, f);
             TL::store(v, yr, map, last * TL::SIZE, N, lane, vec);
         }
+        if (last - CLUSTER < 0) continue;
+        const ShiftedExp<T> ex(st.m);
+        const float fixed_inv_sum = ex.unshift(inv_sum);
         for (i64 t = last - CLUSTER; t >= 0; t -= CLUSTER) {
             TL::load(v, xr, map, t * TL::SIZE, N, lane, vec, -MS_INF);
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) {
                 const float in = TL::get(v, e);
-                f[e] = softmax_value(in, st.m, inv_sum, log_sum, log_mode);
+                f[e] = log_mode ? (in - st.m) - log_sum : ex(in) * fixed_inv_sum;
             }
             TL::set_all(v, f);
             TL::store(v, yr, map, t * TL::SIZE, N, lane, vec);
@@ -200,25 +201,45 @@ __device__ __forceinline__ void stage_row(uint4* buf, int stride, const T* const
     cp_async_wait_all();
 }
 
+// The largest value of the vectors (lane, lane + TPR, ...) of `xs`; 16-bit pairs compared as they are.
+template <typename T, int TPR>
+__device__ __forceinline__ float staged_max(const uint4* xs, int vectors, int lane) {
+    using S = Staged<T>;
+    if constexpr (S::V::PER_WORD == 2) {
+        const u32 none = (Elem<T>::bits(-MS_INF) & 0xffffu) * 0x10001u;
+        u32 m = none;
+        for (int i = lane; i < vectors; i += TPR) {
+            const uint4 q = xs[i];
+            m = max_pairs<T>(m, max_pairs<T>(max_pairs<T>(q.x, q.y), max_pairs<T>(q.z, q.w)));
+        }
+        return fmaxf(Elem<T>::get(m, 0), Elem<T>::get(m, 1));
+    } else {
+        float m = -MS_INF;
+        for (int i = lane; i < vectors; i += TPR) {
+            const auto r = S::regs(xs[i]);
+#pragma unroll
+            for (int e = 0; e < S::VEC; ++e) m = fmaxf(m, S::V::get(r, e));
+        }
+        return m;
+    }
+}
+
 // What a row group's staged slice contributes, from the vectors (lane, lane + TPR, ...) of `xs`: forward,
 // the max and the sum of exp(x - max) (this thread's share); backward, sum(y * dy) or, for log_softmax, sum(dy).
 template <typename T, int TPR>
 __device__ __forceinline__ Stats staged_statistics(const uint4* xs, int vectors, int lane) {
     using S = Staged<T>;
     Stats st = stats_empty();
-    for (int i = lane; i < vectors; i += TPR) {
-        const auto r = S::regs(xs[i]);
-#pragma unroll
-        for (int e = 0; e < S::VEC; ++e) st.m = fmaxf(st.m, S::V::get(r, e));
-    }
+    st.m = staged_max<T, TPR>(xs, vectors, lane);
     if (st.m != -MS_INF) {
+        const ShiftedExp<T> ex(st.m);
         float s = 0.f;
         for (int i = lane; i < vectors; i += TPR) {
             const auto r = S::regs(xs[i]);
 #pragma unroll
-            for (int e = 0; e < S::VEC; ++e) s += exp_diff(S::V::get(r, e), st.m);
+            for (int e = 0; e < S::VEC; ++e) s += ex(S::V::get(r, e));
         }
-        st.s = s;
+        st.s = ex.unshift(s);
     }
     return st;
 }
@@ -240,15 +261,18 @@ template <typename T, int TPR>
 __device__ __forceinline__ void staged_normalise(const uint4* xs, T* dst, int vectors, int lane, Stats row,
                                                  int log_mode) {
     using S = Staged<T>;
-    const float inv_sum = 1.f / row.s, log_sum = logf(row.s);
+    const float log_sum = logf(row.s);
+    const ShiftedExp<T> ex(row.m);
+    const float inv_sum = ex.unshift(1.f / row.s);
     uint4* to = reinterpret_cast<uint4*>(dst);
+#pragma unroll 2
     for (int i = lane; i < vectors; i += TPR) {
         const auto r = S::regs(xs[i]);
         float f[S::VEC];
 #pragma unroll
         for (int e = 0; e < S::VEC; ++e) {
             const float in = S::V::get(r, e);
-            f[e] = softmax_value(in, row.m, inv_sum, log_sum, log_mode);
+            f[e] = log_mode ? (in - row.m) - log_sum : ex(in) * inv_sum;
         }
         to[i] = S::pack(f);
     }
@@ -399,18 +423,18 @@ __device__ __forceinline__ void split_forward(const T* x, T* out, float* partial
     typename TL::Regs v;
     TL::load(v, x + row * N, map, start, N, threadIdx.x, vec, -MS_INF);
     Stats own = stats_empty();
-#pragma unroll
-    for (int e = 0; e < TL::EPT; ++e) own.m = fmaxf(own.m, TL::get(v, e));
-    const float thread_max = own.m, shift = own.m == -MS_INF ? 0.f : own.m;  // -inf only: exp(-inf - 0) = 0
+    own.m = TL::max_value(v);
+    const float thread_max = own.m;
+    const ShiftedExp<T> ex(own.m == -MS_INF ? 0.f : own.m);  // -inf only: exp(-inf - 0) = 0
     float f[TL::EPT];
     float s = 0.f;
 #pragma unroll
     for (int e = 0; e < TL::EPT; ++e) {
-        const float term = exp_diff(TL::get(v, e), shift);
+        const float term = ex(TL::get(v, e));
         if constexpr (!LOG) f[e] = term;
         s += term;
     }
-    own.s = s;
+    own.s = ex.unshift(s);
     own = row_reduce<THREADS, 1>(own);
     if (threadIdx.x == 0) {
         partial[2 * (i64)ticket] = own.m;
@@ -431,7 +455,7 @@ __device__ __forceinline__ void split_forward(const T* x, T* out, float* partial
         for (int e = 0; e < TL::EPT; ++e) f[e] = (TL::get(v, e) - st.m) - log_sum;
     } else {
         // exp(thread max - row max) / sum: 0 for a thread of -inf only, NaN for a row of -inf only, as torch
-        const float scale = exp_diff(thread_max, st.m) / st.s;
+        const float scale = ex.unshift(exp_diff(thread_max, st.m) / st.s);
 #pragma unroll
         for (int e = 0; e < TL::EPT; ++e) f[e] *= scale;
     }
