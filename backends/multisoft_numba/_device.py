@@ -19,7 +19,7 @@ from ._intrinsics import fast_exp as expf
 from ._intrinsics import float_to_half_bits, half_bits_to_float, vector_access
 
 if SM80_EVERYWHERE:
-    from ._intrinsics import max_propagating_nan, pack_bf16x2, pack_f16x2
+    from ._intrinsics import max_pairs_bf16, max_pairs_f16, max_propagating_nan, pack_bf16x2, pack_f16x2
 
 NEG_INF = float32(-math.inf)
 NAN = float32(math.nan)
@@ -256,6 +256,35 @@ def _nan_max(a, b):
 
 
 nan_max = max_propagating_nan if SM80_EVERYWHERE else _nan_max
+
+
+@functools.cache
+def packed_max(fmt):
+    """(pair_max(a, b), word_max(w)) for 16-bit values held as words (packed_io): the word holding the
+    larger value of each half of a and b (NaN where either is NaN), and the larger of w's two values as
+    float32. A row held as words finds its max without widening each value."""
+    @device_function
+    def value(w, at):
+        return bf16_bits_to_float(w >> at) if fmt == BF16 else half_bits_to_float(w >> at)
+
+    @device_function
+    def word_max(w):
+        return nan_max(value(w, 0), value(w, HALF_SHIFT))
+
+    if SM80_EVERYWHERE:
+        return (max_pairs_bf16 if fmt == BF16 else max_pairs_f16), word_max
+
+    @device_function
+    def larger_half(a, b, at):
+        va = value(a, at)
+        vb = value(b, at)
+        return int32((a >> at) & 0xFFFF) if va > vb or va != va else int32((b >> at) & 0xFFFF)
+
+    @device_function
+    def pair_max(a, b):
+        return int32(larger_half(a, b, 0) | (larger_half(a, b, HALF_SHIFT) << HALF_SHIFT))
+
+    return pair_max, word_max
 
 
 @device_function

@@ -1,7 +1,8 @@
 """What numba's Python cannot say, written as LLVM IR through numba's intrinsic API:
 vector loads and stores (up to 16 bytes per access), float16 bit conversions, a
-two-instruction exponential, and (compute capability 8.0 and newer) a NaN-propagating
-max and two-at-a-time rounding to float16 / bfloat16, one instruction each.
+two-instruction exponential, and (compute capability 8.0 and newer) a NaN-propagating max, of
+floats and of two 16-bit values in a word at once, and two-at-a-time rounding to float16 /
+bfloat16, one instruction each.
 
 numba reads arrays one element at a time; a row of float32 then costs an address
 computation and a load per element, which made the kernels instruction-bound. One
@@ -130,6 +131,18 @@ else:
             scaled = builder.fmul(value, ir.Constant(_F32, _LOG2_E))
             return builder.call(_asm(_F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [scaled])
         return types.float32(v), codegen
+
+    def _max_pairs(instruction):
+        @intrinsic
+        def max_pairs(typingctx, a, b):
+            def codegen(context, builder, sig, args):
+                return builder.call(_asm(_I32, [_I32, _I32], f"{instruction} $0, $1, $2;", "=r,r,r"), args)
+            return types.int32(types.int32, types.int32), codegen
+        return max_pairs
+
+    # The larger 16-bit value of each half of two words, NaN where either is NaN (sm_80 and newer).
+    max_pairs_bf16 = _max_pairs("max.NaN.bf16x2")
+    max_pairs_f16 = _max_pairs("max.NaN.f16x2")
 
     @intrinsic
     def max_propagating_nan(typingctx, a, b):

@@ -32,8 +32,8 @@ import torch
 from numba import cuda, float32, int32, uint64
 
 from ._device import (FP32, HALF_SHIFT, NEG_INF, block_max, block_online_merge, block_sum, expf, fresh_shift,
-                      kahan_add, logf, nan_max, online_add_all, online_merge, packed_io, packed_pad, row_io,
-                      share_shift, strided_io, warp_online_merge, warp_sum, word_layout)
+                      kahan_add, logf, nan_max, online_add_all, online_merge, packed_io, packed_max, packed_pad,
+                      row_io, share_shift, strided_io, warp_online_merge, warp_sum, word_layout)
 from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, vector_views
 
 # Measured on the H200 (benchmarks/tune/numba.sh); keyed by the element size in bytes where
@@ -273,16 +273,18 @@ def _packed_writer(fmt, width, cache, formula):
 @functools.cache
 def _packed_reductions(fmt, width, cache):
     """(row_max(raw), exp_sum(raw, m, shift), dot(ys, gs, log)) over this thread's packed elements: the
-    packed twins of the max loop, _exp_sum (without keep) and _dot. row_max and dot unpack with the
-    constant HALF_SHIFT (the first pass), exp_sum with the caller's `shift` (see _device.packed_io)."""
+    packed twins of the max loop, _exp_sum (without keep) and _dot. row_max compares the words' halves as
+    they are (_device.packed_max), dot unpacks with the constant HALF_SHIFT (the first pass), exp_sum with
+    the caller's `shift` (see _device.packed_io)."""
     _, unpack = packed_io(fmt, width, cache // width)
+    pair_max, word_max = packed_max(fmt)
 
     @device_function
     def row_max(raw):
-        m = NEG_INF
-        for k in range(cache):
-            m = nan_max(m, unpack(raw, k, HALF_SHIFT))
-        return m
+        w = raw[0]
+        for k in range(1, cache // 2):
+            w = pair_max(w, raw[k])
+        return word_max(w)
 
     @device_function
     def exp_sum(raw, m, shift):

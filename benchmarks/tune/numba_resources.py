@@ -7,6 +7,9 @@ the launch bound the backend gives them (1024 threads, so at most 64 registers).
 
     python3 benchmarks/tune/numba_resources.py            # every configuration, sm_90
 
+It compiles the sm_80+ intrinsics (max.NaN, packed max and rounding) that the backend uses where every
+GPU is sm_80 or newer, and counts each kernel's machine instructions (with Triton's cuobjdump).
+
 Run it without NUMBA_ENABLE_CUDASIM. numba compiles device functions for the current device's compute
 capability; with no device this script answers that question itself (see _pretend_device).
 """
@@ -71,7 +74,7 @@ def configurations():
     return found
 
 
-def report(kernel, argtypes, cc, ptxas, bound):
+def report(kernel, argtypes, cc, ptxas, bound, sass_to=None):
     from numba import cuda
 
     ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bound)
@@ -82,18 +85,37 @@ def report(kernel, argtypes, cc, ptxas, bound):
         arch = f"-arch=sm_{cc[0]}{cc[1]}"
         out = subprocess.run([ptxas, arch, "-v", source, "-o", os.path.join(folder, "kernel.o")],
                              capture_output=True, text=True)
+        instructions = count_instructions(os.path.join(folder, "kernel.o"), sass_to)
     text = out.stderr + out.stdout
     registers = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if registers is None or spills is None:
         raise RuntimeError(f"ptxas said: {text.strip()[-400:]}")
-    return int(registers.group(1)), int(spills.group(1)), int(spills.group(2))
+    return int(registers.group(1)), int(spills.group(1)), int(spills.group(2)), instructions
+
+
+def count_instructions(cubin, sass_to=None):
+    """Machine instructions in the cubin (Triton's bundled cuobjdump), or -1 without one; the machine code
+    is written to the file `sass_to` if given."""
+    try:
+        import triton
+    except ImportError:
+        return -1
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return -1
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
+    if sass_to:
+        with open(sass_to, "w") as handle:
+            handle.write(sass)
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (default 90)")
     parser.add_argument("--only", default="", help="names containing this")
+    parser.add_argument("--sass", default="", help="write each kernel's SASS into this folder")
     args = parser.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("unset NUMBA_ENABLE_CUDASIM: the simulator compiles nothing", file=sys.stderr)
@@ -104,13 +126,21 @@ def main(argv=None):
         return 2
     cc = (args.arch // 10, args.arch % 10)
     _pretend_device(cc)
+    import multisoft_numba._glue as glue  # before _device, which picks its intrinsics by it
+
+    glue.SM80_EVERYWHERE = args.arch >= 80
     print(f"numba-cuda, sm_{args.arch}, {ptxas}")
-    print(f"{'configuration':28} {'bound':>5} {'regs':>4} {'spill stores':>12} {'spill loads':>11}")
+    print(f"{'configuration':28} {'bound':>5} {'regs':>4} {'spill stores':>12} {'spill loads':>11} "
+          f"{'instructions':>12}")
     for name, kernel, argtypes, bound in configurations():
         if args.only not in name:
             continue
-        registers, stores, loads = report(kernel, argtypes, cc, ptxas, bound)
-        print(f"{name:28} {bound:5d} {registers:4d} {stores:12d} {loads:11d}", flush=True)
+        sass_to = None
+        if args.sass:
+            os.makedirs(args.sass, exist_ok=True)
+            sass_to = os.path.join(args.sass, name + ".sass")
+        registers, stores, loads, instructions = report(kernel, argtypes, cc, ptxas, bound, sass_to)
+        print(f"{name:28} {bound:5d} {registers:4d} {stores:12d} {loads:11d} {instructions:12d}", flush=True)
     return 0
 
 
