@@ -74,35 +74,29 @@ def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, C, i
                      SMOOTH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_start = row * C
-    # A running (max, sum) per 16-byte vector of a step ([BLOCK // VEC, VEC], each row one thread's load),
-    # so that a step reduces within threads; the row's are combined once at the end.
-    VEC: tl.constexpr = 128 // logits_ptr.dtype.element_ty.primitive_bitwidth
-    LANES: tl.constexpr = BLOCK // VEC
-    cols = tl.arange(0, LANES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    lane_max = tl.full((LANES,), -float("inf"), tl.float32)
-    lane_sum = tl.zeros((LANES,), tl.float32)
-    # label smoothing: shifted_sum = sum(w * (x - ref)) over a lane's columns seen, ref follows its max
-    ref = tl.zeros((LANES,), tl.float32)
-    shifted_sum = tl.zeros((LANES,), tl.float32)
-    weight_seen = tl.zeros((LANES,), tl.float32)
+    cols = tl.arange(0, BLOCK)
+    run_max = tl.full((), -float("inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    # label smoothing: shifted_sum = sum(w * (x - ref)) over the columns seen, ref follows the max
+    ref = tl.zeros((), tl.float32)
+    shifted_sum = tl.zeros((), tl.float32)
+    weight_seen = tl.zeros((), tl.float32)
     for start in tl.range(0, C, BLOCK, num_stages=STAGES):
         mask = start + cols < C
         x = tl.load(logits_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        lane_max, shift, lane_sum = online_max(lane_max, lane_sum, tl.max(x, axis=1))
-        lane_sum += tl.sum(fast_exp(x - shift[:, None]), axis=1)
+        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
+        run_sum += tl.sum(fast_exp(x - shift), axis=0)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
             else:
                 w = tl.where(mask, 1.0, 0.0)
             shifted_sum += (ref - shift) * weight_seen
-            shifted_sum += tl.sum(tl.where(mask, w * (x - shift[:, None]), 0.0), axis=1)
-            weight_seen += tl.sum(w, axis=1)
+            shifted_sum += tl.sum(tl.where(mask, w * (x - shift), 0.0), axis=0)
+            weight_seen += tl.sum(w, axis=0)
             ref = shift
-    run_max = tl.max(lane_max, axis=0)
-    run_sum = tl.sum(lane_sum * fast_exp(lane_max - safe_shift(run_max)), axis=0)
     lse = run_max + tl.log(run_sum)
-    smooth = tl.sum(weight_seen * (lse - ref) - shifted_sum, axis=0)
+    smooth = weight_seen * (lse - ref) - shifted_sum
     target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, row, row >= 0, C,
                                                      ignore_index, HAS_WEIGHT)
     x_target = tl.load(logits_ptr + row_start + target, mask=valid, other=0.0).to(tl.float32)
