@@ -81,10 +81,6 @@ if interpreting():   # decided at import, like triton's own choice of the interp
     @triton.jit
     def fast_exp(x):
         return tl.exp(x)
-
-    @triton.jit
-    def fast_exp2(x):
-        return tl.exp2(x)
 else:
     @triton.jit
     def fast_exp(x):
@@ -92,20 +88,3 @@ else:
         instructions per element (a compare and two multiplies) of tl.exp's subnormal range fix-up."""
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
                                          dtype=tl.float32, is_pure=True, pack=1)
-
-    @triton.jit
-    def fast_exp2(x):
-        """2 ** x as one ex2.approx.ftz (see fast_exp)."""
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def exp_scale(row_max):
-    """(scale, shift) with exp(x - row_max) = fast_exp2(x * scale - shift) * 2 ** -residual for the 16-bit
-    values x of a row: one FMA instead of a subtraction and a multiply. shift = row_max * log2(e) rounded;
-    its residual is a factor common to the row's terms, so it cancels wherever they are divided by their
-    sum. From |row_max| = 2^20 on (bfloat16 only) every other value is at least 4096 away, its term 0
-    either way, and the scale is 1/16, which keeps row_max * scale exact."""
-    scale = tl.where(tl.abs(row_max) < 1048576.0, 1.4426950408889634, 0.0625)
-    return scale, row_max * scale
