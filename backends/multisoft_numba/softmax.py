@@ -32,8 +32,8 @@ import torch
 from numba import cuda, float32, int32, uint64
 
 from ._device import (FP32, HALF_SHIFT, NEG_INF, block_max, block_online_merge, block_sum, expf, fresh_shift,
-                      kahan_add, logf, nan_max, online_add_all, online_merge, packed_io, packed_max, packed_pad,
-                      row_io, share_shift, strided_io, warp_online_merge, warp_sum, word_layout)
+                      kahan_add, logf, nan_max, online_add_all, online_merge, packed_io, packed_max,
+                      packed_pad, row_io, share_shift, strided_io, warp_online_merge, warp_sum, word_layout)
 from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, vector_views
 
 # Measured on the H200 (benchmarks/tune/numba.sh); keyed by the element size in bytes where

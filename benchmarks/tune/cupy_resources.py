@@ -27,11 +27,15 @@ from multisoft_cupy import _catalog  # noqa: E402
 from test_cuda_sources_compile import NVRTC, _find_nvrtc  # noqa: E402
 
 
+OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)")  # a SASS line's opcode
+
+
 def compile_cubin(nvrtc: NVRTC, code: str, name: str, expressions: list[str]) -> tuple[bytes, str, dict]:
     """The cubin, ptxas's log and each expression's lowered (mangled) name."""
     lib = nvrtc.lib
     prog = ctypes.c_void_p()
-    nvrtc._check(lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None), "create")
+    created = lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None)
+    nvrtc._check(created, "create")
     try:
         for expr in expressions:
             nvrtc._check(lib.nvrtcAddNameExpression(prog, expr.encode()), expr)
@@ -67,24 +71,26 @@ def sass_by_function(cubin: bytes) -> dict[str, list[str]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        done = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True)
+        text = done.stdout
     functions, current = {}, None
     for line in text.splitlines():
         m = re.match(r"\s*Function : (\S+)", line)
         if m:
             current = functions.setdefault(m.group(1), [])
         elif current is not None:
-            m = re.match(r"\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-            if m:
+            if OPCODE.match(line.strip()):
                 current.append(line.strip())
     return functions
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("expressions", nargs="+")
     parser.add_argument("--source", default="softmax.cu", help="a file of the CuPy backend")
-    parser.add_argument("--file", help="another .cu file instead (an A/B copy); includes resolve in the backend")
+    parser.add_argument("--file", help="another .cu file instead (an A/B copy); its includes resolve in the "
+                                       "backend's folder")
     parser.add_argument("--sass", help="write each kernel's machine code to this folder")
     args = parser.parse_args()
     path = pathlib.Path(args.file) if args.file else _catalog.PACKAGE_DIR / args.source
@@ -97,8 +103,7 @@ def main() -> None:
         spills = re.search(rf"Compiling entry function '{re.escape(name)}'.*?(\d+) bytes spill stores, "
                            rf"(\d+) bytes spill loads", log, re.S)
         code = functions.get(name, [])
-        ops = collections.Counter(re.match(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", c).group(1)
-                                  for c in code)
+        ops = collections.Counter(OPCODE.match(c).group(1) for c in code)
         print(f"{expr}: {usage.group(1) if usage else '?'} registers, spills "
               f"{spills.group(1) + '/' + spills.group(2) if spills else '?'} bytes (store/load), "
               f"{len(code)} instructions")
