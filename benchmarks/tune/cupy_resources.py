@@ -16,7 +16,6 @@ import ctypes
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT / "backends"))
 sys.path.insert(0, str(ROOT / "tests"))
 from multisoft_cupy import _catalog  # noqa: E402
 from test_cuda_sources_compile import NVRTC, _find_nvrtc  # noqa: E402
+from triton_resources import cuobjdump  # noqa: E402  (this folder: Triton's bundled cuobjdump)
 
 
 OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)")  # a SASS line's opcode
@@ -61,18 +61,11 @@ def compile_cubin(nvrtc: NVRTC, code: str, name: str, expressions: list[str]) ->
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def cuobjdump() -> str:
-    import triton
-
-    return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-
-
 def sass_by_function(cubin: bytes) -> dict[str, list[str]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True)
-        text = done.stdout
+        text = cuobjdump("-sass", f.name)
     functions, current = {}, None
     for line in text.splitlines():
         m = re.match(r"\s*Function : (\S+)", line)

@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 import numba
+from triton_resources import cuobjdump  # this folder: Triton's bundled cuobjdump (imports triton when called)
 
 
 def _pretend_device(cc):
@@ -98,13 +99,9 @@ def count_instructions(cubin, sass_to=None):
     """Machine instructions in the cubin (Triton's bundled cuobjdump), or -1 without one; the machine code
     is written to the file `sass_to` if given."""
     try:
-        import triton
-    except ImportError:
+        sass = cuobjdump("-sass", cubin)
+    except (ImportError, OSError, subprocess.CalledProcessError):
         return -1
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return -1
-    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
     if sass_to:
         with open(sass_to, "w") as handle:
             handle.write(sass)
