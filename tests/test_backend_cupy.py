@@ -572,11 +572,11 @@ def test_rules_pick_their_config_only_in_range(monkeypatch):
     assert _catalog.ce_fwd_config(8192, 32000, 4, 90, 132) != capped
 
 
-def test_heuristics_leave_register_capped_configs_to_rules():
+def test_heuristics_leave_rule_only_configs_to_rules():
     for direction in ("fwd", "bwd"):
         for elem in (4, 2):
-            for cols in (1, 1000, 1024, 4096, 32768, 131072, 262144):
-                assert _catalog.softmax_config(direction, cols, elem, 90).min_blocks == 0
+            for cols in (1, 256, 1000, 1024, 2048, 4096, 16384, 32768, 131072, 262144):
+                assert _catalog.softmax_config(direction, cols, elem, 90) not in _catalog.SOFTMAX_RULE_CONFIGS
 
 
 def test_every_backward_config_is_compiled():
@@ -589,20 +589,26 @@ def test_every_backward_config_is_compiled():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", [c for c in _catalog.SOFTMAX_CONFIGS if c.min_blocks], ids=str)
-def test_softmax_register_capped_configs_match_float64(cfg, dtype, monkeypatch):
+@pytest.mark.parametrize("cfg", _catalog.SOFTMAX_RULE_CONFIGS, ids=str)
+def test_softmax_rule_only_configs_match_float64(cfg, dtype, monkeypatch):
+    """Each configuration only a rule selects, on 5 rows (row groups past the last row with ROWS > 5, which must
+    write nothing: the rows after the outputs hold a sentinel), one tile and two and a bit."""
     softmax, _, _ = _kernels()
+    for paths_before_rules in ("STAGED_WARP_COLUMNS", "STAGED_MIN_COLUMNS", "SPLIT_MIN_COLUMNS"):
+        monkeypatch.setattr(_catalog, paths_before_rules, {})
+    rows = 5
     for cols in (cfg.capacity(dtype.itemsize), 2 * cfg.capacity(dtype.itemsize) + 3):
         monkeypatch.setattr(_catalog, "SOFTMAX_RULES", tuple((d, dtype.itemsize, 0, cols, cfg) for d in ("fwd", "bwd")))
-        x = torch.randn(5, cols, device=_device()).mul(4).to(dtype)
+        x = torch.randn(rows, cols, device=_device()).mul(4).to(dtype)
         dy = torch.randn_like(x)
-        y = torch.empty_like(x)
+        outputs = torch.full((2, rows + 3, cols), 7.0, device=_device()).to(dtype)
+        y, dx = outputs[0, :rows], outputs[1, :rows]
         softmax.forward(x, y, False)
         check(y, torch.softmax(x.double(), -1), dtype, f"forward {cols}")
-        dx = torch.empty_like(x)
         softmax.backward(y, dy, dx, False)
         y64, dy64 = y.double(), dy.double()
         check(dx, y64 * (dy64 - (y64 * dy64).sum(-1, True)), dtype, f"backward {cols}")
+        assert (outputs[:, rows:] == 7).all(), "written past the last row"
 
 
 @gpu

@@ -111,6 +111,42 @@ def test_vector_widths_agree(dtype):
         torch.testing.assert_close(vectors, single, equal_nan=True)
 
 
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_rows_every_group_size_and_nothing_past_the_last_row(dtype):
+    """Short rows share blocks, a group of threads each (ROW_GROUP_MAX): every group size, row counts that
+    leave groups past the last row (they must write nothing: the rows after the output hold a sentinel), a row
+    of -inf only; forward and backward against float64."""
+    from multisoft_numba import softmax
+    from multisoft_numba._glue import vector_views
+    groups = set()
+    for n in (1, 3, 16, 40, 130, 256):
+        for rows in (1, 5):
+            x = (torch.randn(rows, n, device=DEVICE) * 3).to(dtype)
+            if rows > 1:
+                x[-1] = float("-inf")
+            dy = torch.randn(rows, n, device=DEVICE).to(dtype)
+            for log in (False, True):
+                for direction in ("forward", "backward"):
+                    buffer = torch.full((rows + 8, n), 7.0, device=DEVICE).to(dtype)
+                    got = buffer[:rows]
+                    held = softmax._held_bytes(*vector_views((x, got))[:2])
+                    caches = softmax.CACHE[held] if direction == "forward" else softmax.CACHE_BWD[held]
+                    plan = softmax._plan(n, caches, ((1, 1),), held)
+                    groups.add(plan.group)
+                    if direction == "forward":
+                        softmax.forward(x, got, log)
+                        expected = reference_softmax(x, -1, log)
+                    else:
+                        y = reference_softmax(x, -1, log).to(dtype)
+                        softmax.backward(y, dy, got, log)
+                        expected = reference_softmax_backward(y, dy, -1, log)
+                    torch.testing.assert_close(buffer[rows:], torch.full_like(buffer[rows:], 7.0), rtol=0, atol=0)
+                    finite = torch.isfinite(expected).all(dim=1)
+                    assert_close(got[finite], expected[finite], dtype, f"{direction} {plan} n={n} log={log}")
+    assert len(groups - {0}) >= 3, groups  # several group sizes ran
+
+
 def _shifted_copy(t: torch.Tensor) -> torch.Tensor:
     """t's values in a tensor whose data starts one element past an aligned address."""
     shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)

@@ -46,8 +46,12 @@ SOFTMAX_CONFIGS = (
     RowConfig(1024, 1, 8, 2), RowConfig(1024, 1, 8, 4), RowConfig(1024, 1, 8, 8),
     RowConfig(512, 1, 4, 2), RowConfig(512, 1, 4, 4), RowConfig(512, 1, 4, 8),
     RowConfig(512, 1, 8, 2), RowConfig(512, 1, 8, 4), RowConfig(512, 1, 8, 8),
-    # with a register cap: for SOFTMAX_RULES only, the heuristic leaves them out
+)
+# Compiled as well, for SOFTMAX_RULES only (softmax_config's heuristic takes SOFTMAX_CONFIGS): register caps,
+# several rows per warp (TPR < 32), 128-thread blocks.
+SOFTMAX_RULE_CONFIGS = (
     RowConfig(32, 4, 2, 1, 8), RowConfig(32, 4, 4, 1, 8), RowConfig(128, 1, 1, 1, 8), RowConfig(256, 1, 1, 1, 4),
+    RowConfig(8, 16, 4), RowConfig(16, 8, 2), RowConfig(16, 8, 4), RowConfig(128, 1, 2), RowConfig(128, 1, 4),
 )
 CE_FWD_CONFIGS = (
     RowConfig(32, 4, 2), RowConfig(256, 1, 4), RowConfig(256, 1, 4, 4), RowConfig(256, 1, 4, 8),
@@ -170,7 +174,8 @@ def _usable(configs, cc: int):
 def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
     """Every name expression of `source` for element type `ctype` on compute capability `cc` (e.g. 90)."""
     if source == "softmax.cu":
-        rows = [softmax_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in _usable(SOFTMAX_CONFIGS, cc)]
+        rows = [softmax_kernel(d, ctype, c) for d in ("fwd", "bwd")
+                for c in _usable(SOFTMAX_CONFIGS + SOFTMAX_RULE_CONFIGS, cc)]
         clusters = [c for c in STAGED_CLUSTERS if c == 1 or cc >= CLUSTER_MIN_CC]
         staged = [StagedConfig(t, r, c, 0) for t, r in STAGED_BLOCKS for c in clusters]
         staged += [StagedConfig(t, r, 1, 0) for t, r in STAGED_WARPS]
@@ -226,7 +231,7 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
         return _half_forward_config(columns, cc)
     if direction == "bwd" and elem_size == 2 and 512 < columns <= 1024:
         return RowConfig(32, 4, 2)  # measured: two tiles per warp beat one
-    usable = [c for c in _usable(SOFTMAX_CONFIGS, cc) if not c.min_blocks]
+    usable = _usable(SOFTMAX_CONFIGS, cc)
     # 16-byte vectors per thread that stay in registers without spilling at 1024 threads
     budget = 8 if direction == "fwd" and elem_size == 4 else 4
     ordered = sorted((c for c in usable if c.vpt <= budget),

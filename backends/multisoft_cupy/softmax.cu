@@ -12,6 +12,25 @@ __device__ __forceinline__ float softmax_gradient(float y, float dy, float dot, 
     return log_mode ? dy - exp_diff(y, 0.f) * dot : y * (dy - dot);
 }
 
+// Row groups of TPR < 32 threads share a warp, whose shuffles need all its lanes: the groups of a warp walk
+// rows together, from the warp's first row, and a group past the last row takes an empty row (no element read
+// or written). `n` is the group's column count (0 past the last row), `row` a row inside the tensor.
+struct RowSlot {
+    i64 row, n;
+};
+
+template <int TPR, int ROWS, int CLUSTER>
+__device__ __forceinline__ i64 warp_first_row() {
+    constexpr int GROUPS = TPR < 32 ? 32 / TPR : 1;  // row groups per warp
+    return (i64)(blockIdx.x / CLUSTER) * ROWS + (threadIdx.x / TPR) / GROUPS * GROUPS;
+}
+
+template <int TPR>
+__device__ __forceinline__ RowSlot row_slot(i64 first, i64 M, i64 N) {
+    const i64 row = TPR < 32 ? first + (threadIdx.x % 32) / TPR : first;
+    return row < M ? RowSlot{row, N} : RowSlot{first, 0};
+}
+
 template <typename T, int TPR, int ROWS, int VPT, int CLUSTER>
 __device__ __forceinline__ void softmax_fwd_rows(const T* x, T* out, i64 M, i64 N, int log_mode, int vec_ok) {
     using TL = Tile<T, TPR, VPT>;
@@ -25,14 +44,15 @@ __device__ __forceinline__ void softmax_fwd_rows(const T* x, T* out, i64 M, i64 
     // The newest tile as floats: x for log_softmax, exp(x - own max) for softmax (times own_fix, see
     // ShiftedExp), so that a row held in registers takes one exponential per element.
     float f[TL::EPT];
-    for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
-        const T* xr = x + row * N;
-        T* yr = out + row * N;
+    for (i64 first = warp_first_row<TPR, ROWS, CLUSTER>(); first < M; first += row_step) {
+        const RowSlot slot = row_slot<TPR>(first, M, N);
+        const T* xr = x + slot.row * N;
+        T* yr = out + slot.row * N;
         Stats st = stats_empty();
         float own_fix = 1.f;
         i64 last = -1;
         for (i64 t = rank; t < ntiles; t += CLUSTER) {
-            TL::load(v, xr, map, t * TL::SIZE, N, lane, vec, -MS_INF);
+            TL::load(v, xr, map, t * TL::SIZE, slot.n, lane, vec, -MS_INF);
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) f[e] = TL::get(v, e);
             st = stats_shift(st, TL::max_value(v));
@@ -68,20 +88,20 @@ __device__ __forceinline__ void softmax_fwd_rows(const T* x, T* out, i64 M, i64 
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) f[e] = log_mode ? (f[e] - st.m) - log_sum : f[e] * own_scale;
             TL::set_all(v, f);
-            TL::store(v, yr, map, last * TL::SIZE, N, lane, vec);
+            TL::store(v, yr, map, last * TL::SIZE, slot.n, lane, vec);
         }
         if (last - CLUSTER < 0) continue;
         const ShiftedExp<T> ex(st.m);
         const float fixed_inv_sum = ex.unshift(inv_sum);
         for (i64 t = last - CLUSTER; t >= 0; t -= CLUSTER) {
-            TL::load(v, xr, map, t * TL::SIZE, N, lane, vec, -MS_INF);
+            TL::load(v, xr, map, t * TL::SIZE, slot.n, lane, vec, -MS_INF);
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) {
                 const float in = TL::get(v, e);
                 f[e] = log_mode ? (in - st.m) - log_sum : ex(in) * fixed_inv_sum;
             }
             TL::set_all(v, f);
-            TL::store(v, yr, map, t * TL::SIZE, N, lane, vec);
+            TL::store(v, yr, map, t * TL::SIZE, slot.n, lane, vec);
         }
     }
 }
@@ -98,13 +118,14 @@ __device__ __forceinline__ void softmax_bwd_rows(const T* y, const T* dy, T* dx,
     const bool vec = vec_ok != 0;
     const DenseMap map;
     typename TL::Regs vy, vd;
-    for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
-        const i64 base = row * N;
+    for (i64 first = warp_first_row<TPR, ROWS, CLUSTER>(); first < M; first += row_step) {
+        const RowSlot slot = row_slot<TPR>(first, M, N);
+        const i64 base = slot.row * N;
         Stats st = stats_empty();
         i64 last = -1;
         for (i64 t = rank; t < ntiles; t += CLUSTER) {
-            TL::load(vy, y + base, map, t * TL::SIZE, N, lane, vec, 0.f);
-            TL::load(vd, dy + base, map, t * TL::SIZE, N, lane, vec, 0.f);
+            TL::load(vy, y + base, map, t * TL::SIZE, slot.n, lane, vec, 0.f);
+            TL::load(vd, dy + base, map, t * TL::SIZE, slot.n, lane, vec, 0.f);
             float acc = 0.f;
 #pragma unroll
             for (int e = 0; e < TL::EPT; ++e) acc += log_mode ? TL::get(vd, e) : TL::get(vy, e) * TL::get(vd, e);
@@ -114,8 +135,8 @@ __device__ __forceinline__ void softmax_bwd_rows(const T* y, const T* dy, T* dx,
         const float dot = row_reduce<TPR, CLUSTER>(st).a;
         for (i64 t = last; t >= 0; t -= CLUSTER) {
             if (t != last) {
-                TL::load(vy, y + base, map, t * TL::SIZE, N, lane, vec, 0.f);
-                TL::load(vd, dy + base, map, t * TL::SIZE, N, lane, vec, 0.f);
+                TL::load(vy, y + base, map, t * TL::SIZE, slot.n, lane, vec, 0.f);
+                TL::load(vd, dy + base, map, t * TL::SIZE, slot.n, lane, vec, 0.f);
             }
             float out[TL::EPT];
 #pragma unroll
@@ -124,7 +145,7 @@ __device__ __forceinline__ void softmax_bwd_rows(const T* y, const T* dy, T* dx,
                 out[e] = softmax_gradient(fy, fd, dot, log_mode);
             }
             TL::set_all(vd, out);
-            TL::store(vd, dx + base, map, t * TL::SIZE, N, lane, vec);
+            TL::store(vd, dx + base, map, t * TL::SIZE, slot.n, lane, vec);
         }
     }
 }

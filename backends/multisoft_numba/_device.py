@@ -12,7 +12,7 @@ import functools
 import math
 
 import numpy
-from numba import cuda, float32, int16, int32
+from numba import cuda, float32, int16, int32, int64, uint64
 
 from ._glue import SIMULATOR, SM80_EVERYWHERE, device_function
 from ._intrinsics import fast_exp as expf
@@ -432,6 +432,75 @@ def block_online_merge(buf_m, buf_s, m, s):
     m, s = warp_online_merge(m, s)
     cuda.syncthreads()
     return m, s
+
+
+@functools.cache
+def row_groups(group):
+    """(thread_row(rows, limit), group_max(buf, v), group_sum(buf, v)) for blocks whose rows each take
+    `group` consecutive threads (a power of two, at most 32), blockDim.x // group rows a block; group 0: one
+    row, the whole block (block_max, block_sum).
+
+    thread_row gives this thread's (row, lane, lanes, limit): its row (clamped into the tensor), its place
+    among the row's `lanes` threads, and the row's `limit` (the vectors to read), 0 past the last row. A group
+    past the last row then reads padding and writes nothing instead of returning, so that each warp stays
+    whole for its shuffles. The reductions give every thread of a group the group's result."""
+    if group == 0:
+        @device_function
+        def block_row(rows, limit):
+            return uint64(cuda.blockIdx.x), cuda.threadIdx.x, cuda.blockDim.x, limit
+
+        return block_row, block_max, block_sum
+
+    @device_function
+    def thread_row(rows, limit):
+        tid = cuda.threadIdx.x
+        row = int64(cuda.blockIdx.x) * (cuda.blockDim.x // group) + tid // group
+        if row < rows:
+            return uint64(row), tid % group, group, limit
+        return uint64(rows - 1), tid % group, group, limit - limit
+
+    if SIMULATOR:  # no shuffles: each thread reduces its group's slots of `buf` in order
+        @device_function
+        def group_max(buf, v):
+            tid = cuda.threadIdx.x
+            buf[tid] = v
+            cuda.syncthreads()
+            total = NEG_INF
+            for k in range(tid - tid % group, tid - tid % group + group):
+                total = nan_max(total, buf[k])
+            cuda.syncthreads()
+            return total
+
+        @device_function
+        def group_sum(buf, v):
+            tid = cuda.threadIdx.x
+            buf[tid] = v
+            cuda.syncthreads()
+            total = float32(0.0)
+            for k in range(tid - tid % group, tid - tid % group + group):
+                total += buf[k]
+            cuda.syncthreads()
+            return total
+
+        return thread_row, group_max, group_sum
+
+    @device_function
+    def group_max(buf, v):
+        offset = group // 2
+        while offset > 0:
+            v = nan_max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
+            offset //= 2
+        return v
+
+    @device_function
+    def group_sum(buf, v):
+        offset = group // 2
+        while offset > 0:
+            v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
+            offset //= 2
+        return v
+
+    return thread_row, group_max, group_sum
 
 
 # Reductions over the lanes of kernels that give each warp its own row: shuffles on the GPU.

@@ -1,8 +1,9 @@
 """Row softmax / log_softmax, forward and backward.
 
 Three ways to walk a row, all reading in float32 and writing in the row's dtype:
-- cached: one thread block per row, the row held in registers (CACHE elements
-  per thread): one read of the input.
+- cached: the row held in registers (CACHE elements per thread): one read of the
+  input. A thread block per row, or for short rows a group of threads per row,
+  several rows a block (ROW_GROUP_MAX).
 - split (GPU only, long rows): the row cut into parts (forward: SPLIT_CACHE x SPLIT_THREADS
   elements, backward: SPLIT_BWD), one block per part, each holding its part in registers; the parts exchange
   their statistics through global memory and wait for each other, so the input
@@ -20,12 +21,13 @@ their raw words (_device.packed_io): two elements per register instead of one
 float each, so a block holds twice the bytes.
 
 Kernels are built by the factories below per (element format, vector width, log,
-elements per thread), all compile-time constants. Rows are read and written a
+elements per thread, threads per row group), all compile-time constants. Rows are read and written a
 vector at a time (_device.strided_io) through one-row views indexed with unsigned
 integers, which numba compiles without negative-index wraparound.
 """
 
 import functools
+from typing import NamedTuple
 
 import numpy
 import torch
@@ -33,8 +35,9 @@ from numba import cuda, float32, int32, uint64
 
 from ._device import (FP32, HALF_SHIFT, NEG_INF, block_max, block_online_merge, block_sum, expf, fresh_shift,
                       kahan_add, logf, nan_max, online_add_all, online_merge, packed_io, packed_max,
-                      packed_pad, row_io, share_shift, strided_io, warp_online_merge, warp_sum, word_layout)
-from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, threads_for, vector_views
+                      packed_pad, row_groups, row_io, share_shift, strided_io, warp_online_merge, warp_sum,
+                      word_layout)
+from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, next_pow2, threads_for, vector_views
 
 # Measured on the H200 (benchmarks/tune/numba.sh); keyed by the element size in bytes where
 # float32 and 16-bit rows differ.
@@ -55,6 +58,11 @@ UNROLL = 8       # elements per thread per step of the looping kernels
 MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
 PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
+# Rows that take at most ROW_GROUP_MAX threads (of their CACHE elements each) share blocks of ROW_GROUP_BLOCK
+# threads, a group of threads per row (0: a block per row whatever the row): a block of a few threads per row
+# would leave multiprocessors short of loads in flight, at most 32 blocks resident each.
+ROW_GROUP_MAX = 32
+ROW_GROUP_BLOCK = 256
 SPLIT_THREADS = 256   # forward: several blocks per SM, so one's loads overlap another's waiting
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
@@ -104,26 +112,24 @@ def _gradient(ys, gs, acc, log):
 
 
 @functools.cache
-def _forward_cached(fmt, width, log, cache):
+def _forward_cached(fmt, width, log, cache, group):
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
+    thread_row, group_max, group_sum = row_groups(group)
 
     @kernel
     def forward_cached(x, out):
-        row = uint64(cuda.blockIdx.x)
-        tid = cuda.threadIdx.x
-        threads = cuda.blockDim.x
-        n_vectors = x.shape[1] // words
+        row, lane, lanes, limit = thread_row(x.shape[0], x.shape[1] // words)
         buf = cuda.shared.array(MAX_THREADS, float32)
         vals = cuda.local.array(cache, float32)
-        read_vectors(x[row], tid, threads, n_vectors, vals, NEG_INF)
+        read_vectors(x[row], lane, lanes, limit, vals, NEG_INF)
         m = NEG_INF
         for k in range(cache):
             m = nan_max(m, vals[k])
-        m = block_max(buf, m)
-        s = block_sum(buf, _exp_sum(vals, m, not log))
+        m = group_max(buf, m)
+        s = group_sum(buf, _exp_sum(vals, m, not log))
         _normalise(vals, m, s, log)
-        write_vectors(out[row], tid, threads, n_vectors, vals)
+        write_vectors(out[row], lane, lanes, limit, vals)
 
     return forward_cached
 
@@ -164,24 +170,22 @@ def _forward_looping(fmt, width, log, unroll):
 
 
 @functools.cache
-def _backward_cached(fmt, width, log, cache):
+def _backward_cached(fmt, width, log, cache, group):
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
+    thread_row, _, group_sum = row_groups(group)
 
     @kernel
     def backward_cached(y, dy, dx):
-        row = uint64(cuda.blockIdx.x)
-        tid = cuda.threadIdx.x
-        threads = cuda.blockDim.x
-        n_vectors = y.shape[1] // words
+        row, lane, lanes, limit = thread_row(y.shape[0], y.shape[1] // words)
         buf = cuda.shared.array(MAX_THREADS, float32)
         ys = cuda.local.array(cache, float32)
         gs = cuda.local.array(cache, float32)
-        read_vectors(y[row], tid, threads, n_vectors, ys, float32(0.0))
-        read_vectors(dy[row], tid, threads, n_vectors, gs, float32(0.0))
-        acc = block_sum(buf, _dot(ys, gs, log))
+        read_vectors(y[row], lane, lanes, limit, ys, float32(0.0))
+        read_vectors(dy[row], lane, lanes, limit, gs, float32(0.0))
+        acc = group_sum(buf, _dot(ys, gs, log))
         _gradient(ys, gs, acc, log)
-        write_vectors(dx[row], tid, threads, n_vectors, gs)
+        write_vectors(dx[row], lane, lanes, limit, gs)
 
     return backward_cached
 
@@ -311,7 +315,7 @@ def _output_parameter(s, log):
 
 
 @functools.cache
-def _forward_packed(fmt, width, log, cache):
+def _forward_packed(fmt, width, log, cache, group):
     """forward_cached for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
@@ -319,49 +323,49 @@ def _forward_packed(fmt, width, log, cache):
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
     pad = packed_pad(fmt, NEG_INF)
+    thread_row, group_max, group_sum = row_groups(group)
 
     @kernel
     def forward_packed(x, out):
-        row = uint64(cuda.blockIdx.x)
-        tid = cuda.threadIdx.x
-        threads = cuda.blockDim.x
-        n_vectors = x.shape[1] // words
+        row, lane, lanes, limit = thread_row(x.shape[0], x.shape[1] // words)
         buf = cuda.shared.array(MAX_THREADS, float32)
         slot = cuda.shared.array(1, int32)
         raw = cuda.local.array(held_words, int32)
         share_shift(slot)
-        read_packed(x[row], tid, threads, n_vectors, raw, pad)
-        m = block_max(buf, row_max(raw))
-        s = block_sum(buf, exp_sum(raw, m, fresh_shift(slot)))
-        write_packed(out[row], tid, threads, n_vectors, raw, raw, fresh_shift(slot), m, _output_parameter(s, log))
+        read_packed(x[row], lane, lanes, limit, raw, pad)
+        if group:  # no block barrier follows: one before the first fresh_shift
+            cuda.syncthreads()
+        m = group_max(buf, row_max(raw))
+        s = group_sum(buf, exp_sum(raw, m, fresh_shift(slot)))
+        write_packed(out[row], lane, lanes, limit, raw, raw, fresh_shift(slot), m, _output_parameter(s, log))
 
     return forward_packed
 
 
 @functools.cache
-def _backward_packed(fmt, width, log, cache):
+def _backward_packed(fmt, width, log, cache, group):
     """backward_cached for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     _, _, dot = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_gradient if log else _softmax_gradient)
     words = word_layout(fmt, width)[1]
     held_words = cache // 2
+    thread_row, _, group_sum = row_groups(group)
 
     @kernel
     def backward_packed(y, dy, dx):
-        row = uint64(cuda.blockIdx.x)
-        tid = cuda.threadIdx.x
-        threads = cuda.blockDim.x
-        n_vectors = y.shape[1] // words
+        row, lane, lanes, limit = thread_row(y.shape[0], y.shape[1] // words)
         buf = cuda.shared.array(MAX_THREADS, float32)
         slot = cuda.shared.array(1, int32)
         ys = cuda.local.array(held_words, int32)
         gs = cuda.local.array(held_words, int32)
         share_shift(slot)
-        read_packed(y[row], tid, threads, n_vectors, ys, int32(0))
-        read_packed(dy[row], tid, threads, n_vectors, gs, int32(0))
-        acc = block_sum(buf, dot(ys, gs, log))
-        write_packed(dx[row], tid, threads, n_vectors, ys, gs, fresh_shift(slot), acc, float32(0.0))
+        read_packed(y[row], lane, lanes, limit, ys, int32(0))
+        read_packed(dy[row], lane, lanes, limit, gs, int32(0))
+        if group:  # no block barrier follows: one before the first fresh_shift
+            cuda.syncthreads()
+        acc = group_sum(buf, dot(ys, gs, log))
+        write_packed(dx[row], lane, lanes, limit, ys, gs, fresh_shift(slot), acc, float32(0.0))
 
     return backward_packed
 
@@ -579,24 +583,43 @@ def _max_parts(device_index: int, held: int) -> int:
     return min(MAX_PARTS[held], _multiprocessors(device_index) // 2)
 
 
-def _plan(n: int, caches, splits, held: int, device=None):
-    """('cached' | 'split' | 'looping', threads per block, parts per row, elements per thread)
-    for rows of n elements that take `held` bytes each in registers; `caches`: the elements
+class Plan(NamedTuple):
+    """How a launch walks its rows: `path` ('cached' | 'split' | 'looping') with blocks of `threads` threads,
+    each holding `cache` elements per thread (split, looping: the looping kernels' width is UNROLL), a row cut
+    into `parts` blocks (split); `group` > 0 (cached only): a row per `group` threads, several rows a block."""
+
+    path: str
+    threads: int
+    parts: int
+    cache: int
+    group: int = 0
+
+
+def _plan(n: int, caches, splits, held: int, device=None) -> Plan:
+    """The Plan for rows of n elements that take `held` bytes each in registers; `caches`: the elements
     per thread that a block holding the whole row may take, fewest first; `splits`: the
     (threads, elements per thread) of a block holding a part of a row, the first that makes
     at most SPLIT_FEW_PARTS parts, else the first whose parts can all be resident."""
     for cache in caches:
+        needed = next_pow2(-(-n // cache))
+        if needed <= min(ROW_GROUP_MAX, MAX_THREADS):
+            return Plan("cached", min(ROW_GROUP_BLOCK, MAX_THREADS), 1, cache, needed)
         threads = min(threads_for(n, cache), CACHED_THREADS)
         if n <= threads * cache:
-            return "cached", threads, 1, cache
+            return Plan("cached", threads, 1, cache)
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         fitting = [(threads, cache, -(-n // (threads * cache))) for threads, cache in splits]
         fitting = [f for f in fitting if f[2] <= _max_parts(index, held)]
         if fitting:
             threads, cache, parts = next((f for f in fitting if f[2] <= SPLIT_FEW_PARTS), fitting[0])
-            return "split", threads, parts, cache
-    return "looping", threads_for(n, 8 * UNROLL), 1, splits[0][1]
+            return Plan("split", threads, parts, cache)
+    return Plan("looping", threads_for(n, 8 * UNROLL), 1, splits[0][1])
+
+
+def _cached_blocks(rows: int, threads: int, group: int) -> int:
+    """Blocks of the cached kernels: a row each, or threads // group rows each."""
+    return -(-rows // (threads // group)) if group else rows
 
 
 def _held_bytes(fmt, width) -> int:
@@ -615,8 +638,8 @@ def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
     fmt, width, words = vector_views((x, out))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache = plan or _plan(n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held,
-                                                x.device)
+    path, threads, parts, cache, group = Plan(*plan) if plan else _plan(
+        n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held, x.device)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
@@ -625,7 +648,7 @@ def forward(x, out, log: bool, plan=None) -> None:
         launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached
-        launch(build(fmt, width, log, cache), rows, threads, words)
+        launch(build(fmt, width, log, cache, group), _cached_blocks(rows, threads, group), threads, words)
     else:
         launch(_forward_looping(fmt, width, log, UNROLL), rows, threads, words)
 
@@ -634,7 +657,8 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
     fmt, width, words = vector_views((y, dy, dx))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache = plan or _plan(n, CACHE_BWD[held], SPLIT_BWD[held], held, y.device)
+    path, threads, parts, cache, group = Plan(*plan) if plan else _plan(n, CACHE_BWD[held], SPLIT_BWD[held], held,
+                                                                        y.device)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
@@ -643,6 +667,6 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _backward_packed if held == 2 else _backward_cached
-        launch(build(fmt, width, log, cache), rows, threads, words)
+        launch(build(fmt, width, log, cache, group), _cached_blocks(rows, threads, group), threads, words)
     else:
         launch(_backward_looping(fmt, width, log, UNROLL), rows, threads, words)
