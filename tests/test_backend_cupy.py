@@ -128,9 +128,9 @@ def test_version_is_installed_distribution_or_none():
 @pytest.mark.parametrize("cc", [80, 90])
 def test_softmax_config_is_compiled_and_loops_little(direction, cc, elem):
     widest = max(c.capacity(elem) for c in _catalog.SOFTMAX_CONFIGS if c.cluster == 1 or cc >= 90)
-    for cols in (1, 7, 128, 1000, 1024, 4096, 5000, 32768, 131072, 262144, 1 << 20):
+    for cols in (1, 7, 128, 256, 512, 1000, 1024, 4096, 5000, 32768, 131072, 262144, 1 << 20):
         cfg = _catalog.softmax_config(direction, cols, elem, cc)
-        assert cfg in _catalog.SOFTMAX_CONFIGS
+        assert cfg in _catalog.SOFTMAX_CONFIGS + _catalog.SOFTMAX_RULE_CONFIGS
         assert 4 * cfg.capacity(elem) >= min(cols, widest), (cols, cfg)
         assert cc >= 90 or cfg.cluster == 1
         assert _catalog.softmax_kernel(direction, "float", cfg) in _catalog.expressions("softmax.cu", "float", cc)
@@ -140,7 +140,7 @@ def test_softmax_config_is_compiled_and_loops_little(direction, cc, elem):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("cc", [80, 90])
 def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, monkeypatch):
-    monkeypatch.setattr(_catalog, "STAGED_MIN_COLUMNS", {(direction, elem): 1000})
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {(direction, elem): (999, 1 << 62)})
     monkeypatch.setattr(_catalog, "STAGED_WARP_COLUMNS", {})
     assert _catalog.staged_config(direction, 999, elem, cc, 227 * 1024) is None
     assert _catalog.staged_config(direction, 1000, elem, 75, 227 * 1024) is None
@@ -167,7 +167,7 @@ def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, m
 @pytest.mark.parametrize("elem", [4, 2])
 def test_staged_warps_take_their_column_range(elem, monkeypatch):
     monkeypatch.setattr(_catalog, "STAGED_WARP_COLUMNS", {("fwd", elem): (512, 2048)})
-    monkeypatch.setattr(_catalog, "STAGED_MIN_COLUMNS", {("fwd", elem): 8192})
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {("fwd", elem): (8191, 1 << 62)})
     assert _catalog.staged_config("fwd", 512, elem, 90, 227 * 1024) is None
     assert _catalog.staged_config("bwd", 1024, elem, 90, 227 * 1024) is None
     expressions = _catalog.expressions("softmax.cu", "bf16_t", 80)
@@ -224,7 +224,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     x = torch.randn(4, 300)
     softmax.forward(x, torch.empty_like(x), True)
     softmax.backward(x, x, torch.empty_like(x), False)
-    monkeypatch.setattr(_catalog, "STAGED_MIN_COLUMNS", {("fwd", 4): 256, ("bwd", 4): 256})
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {("fwd", 4): (255, 1 << 62), ("bwd", 4): (255, 1 << 62)})
     for cluster in (1, 2):
         monkeypatch.setattr(_catalog, "STAGED_CLUSTERS", (cluster,))
         softmax.forward(x, torch.empty_like(x), True)
@@ -572,7 +572,10 @@ def test_rules_pick_their_config_only_in_range(monkeypatch):
     assert _catalog.ce_fwd_config(8192, 32000, 4, 90, 132) != capped
 
 
-def test_heuristics_leave_rule_only_configs_to_rules():
+def test_heuristics_leave_rule_only_configs_to_rules(monkeypatch):
+    for _, _, _, _, cfg in _catalog.SOFTMAX_RULES:
+        assert cfg in _catalog.SOFTMAX_CONFIGS + _catalog.SOFTMAX_RULE_CONFIGS  # compiled
+    monkeypatch.setattr(_catalog, "SOFTMAX_RULES", ())
     for direction in ("fwd", "bwd"):
         for elem in (4, 2):
             for cols in (1, 256, 1000, 1024, 2048, 4096, 16384, 32768, 131072, 262144):
@@ -594,7 +597,7 @@ def test_softmax_rule_only_configs_match_float64(cfg, dtype, monkeypatch):
     """Each configuration only a rule selects, on 5 rows (row groups past the last row with ROWS > 5, which must
     write nothing: the rows after the outputs hold a sentinel), one tile and two and a bit."""
     softmax, _, _ = _kernels()
-    for paths_before_rules in ("STAGED_WARP_COLUMNS", "STAGED_MIN_COLUMNS", "SPLIT_MIN_COLUMNS"):
+    for paths_before_rules in ("STAGED_WARP_COLUMNS", "STAGED_BLOCK_COLUMNS", "SPLIT_MIN_COLUMNS"):
         monkeypatch.setattr(_catalog, paths_before_rules, {})
     rows = 5
     for cols in (cfg.capacity(dtype.itemsize), 2 * cfg.capacity(dtype.itemsize) + 3):

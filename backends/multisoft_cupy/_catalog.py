@@ -48,10 +48,10 @@ SOFTMAX_CONFIGS = (
     RowConfig(512, 1, 8, 2), RowConfig(512, 1, 8, 4), RowConfig(512, 1, 8, 8),
 )
 # Compiled as well, for SOFTMAX_RULES only (softmax_config's heuristic takes SOFTMAX_CONFIGS): register caps,
-# several rows per warp (TPR < 32), 128-thread blocks.
+# several rows per warp (TPR < 32).
 SOFTMAX_RULE_CONFIGS = (
     RowConfig(32, 4, 2, 1, 8), RowConfig(32, 4, 4, 1, 8), RowConfig(128, 1, 1, 1, 8), RowConfig(256, 1, 1, 1, 4),
-    RowConfig(8, 16, 4), RowConfig(16, 8, 2), RowConfig(16, 8, 4), RowConfig(128, 1, 2), RowConfig(128, 1, 4),
+    RowConfig(8, 16, 4), RowConfig(16, 8, 2), RowConfig(16, 8, 4),
 )
 CE_FWD_CONFIGS = (
     RowConfig(32, 4, 2), RowConfig(256, 1, 4), RowConfig(256, 1, 4, 4), RowConfig(256, 1, 4, 8),
@@ -64,7 +64,13 @@ CE_BWD_CONFIG = CE_BWD_CONFIGS[0]
 # Measured exceptions to the heuristics below, first match wins: softmax (direction, element size,
 # low, high, config) and cross-entropy forward (element size, low, high, config) for low < columns <= high.
 # A cluster configuration is skipped below CLUSTER_MIN_CC.
-SOFTMAX_RULES: tuple = ()
+SOFTMAX_RULES = (
+    # bf16 rows of 256 and 512 columns: several rows per warp. H200 (tuning/short-rows-round1.txt):
+    # forward 0.63 -> 0.90 of copy at 256 columns, 0.86 -> 0.90 at 512; backward 0.92 -> 0.98 at 256.
+    ("fwd", 2, 128, 256, RowConfig(8, 16, 4)),
+    ("fwd", 2, 256, 512, RowConfig(16, 8, 4)),
+    ("bwd", 2, 128, 256, RowConfig(16, 8, 2)),
+)
 CE_FWD_RULES: tuple = ()
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 8), RowConfig(32, 4, 16))
 
@@ -90,16 +96,20 @@ _STAGED_TENSORS = {"fwd": 1, "bwd": 2}  # x; y and dy
 STAGED_BLOCKS = ((256, 1), (512, 1))  # (TPR, ROWS) of a block per row, also in clusters
 STAGED_WARPS = ((32, 4), (32, 8))  # (TPR, ROWS) of a warp per row
 STAGED_CLUSTERS = (1, 2, 4, 8)
-# A block (or cluster) per row from these column counts on, by (direction, element size); absent: never.
-# Measured on an H200 (benchmarks/results/tuning/cupy-staged-round*.txt): the float32 backward is faster in
-# registers.
-STAGED_MIN_COLUMNS = {("fwd", 4): 65537, ("fwd", 2): 16385, ("bwd", 2): 65537}
+# A block (or cluster) per row for low < columns <= high, by (direction, element size); absent: never.
+# Measured on an H200 (benchmarks/results/tuning/cupy-staged-round*.txt, short-rows-round1.txt): the float32
+# backward is faster in registers; the forward of 16384 columns 0.80 -> 0.90 of copy (float32), 0.81 -> 0.85
+# (bf16); float32 rows of 8192 and of 32768 stay in registers (0.92 against 0.90 at 8192), float32 rows from
+# 65536 are split (SPLIT_MIN_COLUMNS) up to lengths whose slices no longer fit.
+STAGED_BLOCK_COLUMNS = {("fwd", 4): (8192, 16384), ("fwd", 2): (8192, 1 << 62), ("bwd", 2): (65536, 1 << 62)}
 STAGED_BLOCK_THREADS = {"fwd": 512, "bwd": 256}
 # A warp per row, STAGED_WARP_ROWS rows per block, for low < columns <= high, by (direction, element size):
-# where it measured faster than the register kernels on an H200 (cupy-staged-warps-round1.txt; e.g. the bf16
-# forward of 4096 columns 0.76 -> 0.90 of copy, the float32 backward of 1024 columns 0.88 -> 0.96).
-STAGED_WARP_COLUMNS = {("fwd", 4): (512, 1024), ("bwd", 4): (512, 1024), ("fwd", 2): (2048, 8192),
-                       ("bwd", 2): (512, 1024)}
+# where it measured faster than the register kernels on an H200 (cupy-staged-warps-round1.txt,
+# short-rows-round1.txt; e.g. the bf16 forward of 4096 columns 0.76 -> 0.90 of copy, of 2048 0.89 -> 0.92,
+# the float32 backward of 1024 columns 0.88 -> 0.96, the float32 forward of 2048 0.88 -> 0.96, the bf16
+# backward of 2048 0.64 -> 0.97).
+STAGED_WARP_COLUMNS = {("fwd", 4): (512, 2048), ("bwd", 4): (512, 1024), ("fwd", 2): (1024, 8192),
+                       ("bwd", 2): (512, 2048)}
 STAGED_WARP_ROWS = 4
 # The most shared memory a block stages: three blocks per H200 multiprocessor. Longer slices (a float32 row of
 # 262144 in a cluster of 8: one block per multiprocessor) measured slower than the register kernels.
@@ -242,7 +252,7 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
 def staged_config(direction: str, columns: int, elem_size: int, cc: int,
                   max_shared: int) -> StagedConfig | None:
     """Staging in shared memory (sm_80+, clusters sm_90+): a warp per row inside a STAGED_WARP_COLUMNS
-    range, a block per row from STAGED_MIN_COLUMNS on, split over the fewest blocks of a cluster whose
+    range, a block per row inside a STAGED_BLOCK_COLUMNS range, split over the fewest blocks of a cluster whose
     slices take at most STAGED_BLOCK_BYTES (and `max_shared`) per block; None when neither applies."""
     if cc < 80:
         return None
@@ -253,7 +263,8 @@ def staged_config(direction: str, columns: int, elem_size: int, cc: int,
     if low < columns <= high:
         cfg = StagedConfig(32, STAGED_WARP_ROWS, 1, -(-columns // vec) * vec)
         return cfg if cfg.shared_bytes(direction, elem_size) <= limit else None
-    if key not in STAGED_MIN_COLUMNS or columns < STAGED_MIN_COLUMNS[key]:
+    low, high = STAGED_BLOCK_COLUMNS.get(key, (0, 0))
+    if not low < columns <= high:
         return None
     for cluster in STAGED_CLUSTERS:
         if cluster > 1 and cc < CLUSTER_MIN_CC:

@@ -10,14 +10,14 @@ set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
 K='import multisoft_cupy._catalog as k'
-ALL="(d, e): 16385 for d in ('fwd', 'bwd') for e in (2, 4)"
+ALL="(d, e): (16384, 1 << 62) for d in ('fwd', 'bwd') for e in (2, 4)"
 python3 benchmarks/tune/tune.py --backend cupy --ops softmax --dtypes fp32,bf16 \
   --cases 4096x32768,1024x131072,512x262144 --directions forward,backward --csv "$OUT/cupy_staged.csv" \
-  --variant "regs:$K; k.STAGED_MIN_COLUMNS = {}" \
+  --variant "regs:$K; k.STAGED_BLOCK_COLUMNS = {}" \
   --variant "staged:" \
   --variant "kb32:$K; k.STAGED_BLOCK_BYTES = 32 * 1024" \
   --variant "kb96:$K; k.STAGED_BLOCK_BYTES = 96 * 1024" \
   --variant "t256:$K; k.STAGED_BLOCK_THREADS = {'fwd': 256, 'bwd': 256}" \
   --variant "t512:$K; k.STAGED_BLOCK_THREADS = {'fwd': 512, 'bwd': 512}" \
-  --variant "from16k:$K; k.STAGED_MIN_COLUMNS = {$ALL}" \
+  --variant "from16k:$K; k.STAGED_BLOCK_COLUMNS = {$ALL}" \
   || echo "cupy staged tuning failed: rc=$?"

@@ -25,8 +25,8 @@ tune --backend cupy --ops softmax --dtypes bf16,fp32 \
   --cases 262144x256,131072x512,32768x2048,8192x8192,4096x16384 --directions forward,backward \
   --variant "base:" \
   --variant "rows_a:$K; k.SOFTMAX_RULES = (('fwd', 2, 128, 256, R(8, 16, 4)), ('fwd', 2, 256, 512, R(16, 8, 4)), ('fwd', 2, 1024, 2048, R(128, 1, 2)), ('bwd', 2, 128, 256, R(8, 16, 4)), ('bwd', 2, 1024, 2048, R(128, 1, 2)), ('fwd', 4, 1024, 2048, R(128, 1, 4)), ('fwd', 4, 8192, 16384, R(512, 1, 4, 2)))" \
-  --variant "rows_b:$K; k.SOFTMAX_RULES = (('fwd', 2, 128, 256, R(16, 8, 2)), ('fwd', 2, 256, 512, R(8, 16, 4)), ('fwd', 2, 1024, 2048, R(32, 4, 8)), ('bwd', 2, 128, 256, R(16, 8, 2)), ('bwd', 2, 1024, 2048, R(32, 4, 8))); k.STAGED_WARP_COLUMNS = {**k.STAGED_WARP_COLUMNS, ('fwd', 4): (512, 2048)}; k.STAGED_MIN_COLUMNS = {**k.STAGED_MIN_COLUMNS, ('fwd', 4): 16384}" \
-  --variant "staged:$K; k.STAGED_WARP_COLUMNS = {**k.STAGED_WARP_COLUMNS, ('fwd', 2): (1024, 4096), ('bwd', 2): (512, 2048)}; k.STAGED_MIN_COLUMNS = {**k.STAGED_MIN_COLUMNS, ('fwd', 2): 8192, ('bwd', 2): 8192, ('fwd', 4): 8192}" \
+  --variant "rows_b:$K; k.SOFTMAX_RULES = (('fwd', 2, 128, 256, R(16, 8, 2)), ('fwd', 2, 256, 512, R(8, 16, 4)), ('fwd', 2, 1024, 2048, R(32, 4, 8)), ('bwd', 2, 128, 256, R(16, 8, 2)), ('bwd', 2, 1024, 2048, R(32, 4, 8))); k.STAGED_WARP_COLUMNS = {**k.STAGED_WARP_COLUMNS, ('fwd', 4): (512, 2048)}; k.STAGED_BLOCK_COLUMNS = {**k.STAGED_BLOCK_COLUMNS, ('fwd', 4): (16383, 1 << 62)}" \
+  --variant "staged:$K; k.STAGED_WARP_COLUMNS = {**k.STAGED_WARP_COLUMNS, ('fwd', 2): (1024, 4096), ('bwd', 2): (512, 2048)}; k.STAGED_BLOCK_COLUMNS = {**k.STAGED_BLOCK_COLUMNS, ('fwd', 2): (8191, 1 << 62), ('bwd', 2): (8191, 1 << 62), ('fwd', 4): (8191, 1 << 62)}" \
   --variant "mixed:$K; k.STAGED_WARP_COLUMNS = {**k.STAGED_WARP_COLUMNS, ('fwd', 2): (1024, 8192)}; k.SOFTMAX_RULES = (('fwd', 2, 8192, 16384, R(512, 1, 4, 2)), ('bwd', 2, 1024, 2048, R(256, 1, 1, 1, 4)))"
 
 tune --backend numba --ops softmax --dtypes bf16,fp32 \
