@@ -271,6 +271,27 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
 
 
 @needs_gpu
+def test_rows_too_long_for_the_split_choices_take_wide_parts():
+    """Rows of 1048576: too many parts for the regular split choices (on a GPU of 132 multiprocessors or fewer),
+    so SPLIT_WIDE_THREADS-thread parts, which are checked against float64 by the agreement harness."""
+    from multisoft_numba import softmax
+    device = torch.device(DEVICE)
+    half_sms = torch.cuda.get_device_properties(device).multi_processor_count // 2
+    n = 1 << 20
+    for held, caches, splits in ((4, softmax.CACHE_BWD[4], softmax.SPLIT_BWD[4]),
+                                 (2, softmax.CACHE_BWD[2], softmax.SPLIT_BWD[2]),
+                                 (4, softmax.CACHE[4], ((softmax.SPLIT_THREADS, softmax.SPLIT_CACHE[4]),))):
+        if all(-(-n // (threads * cache)) <= half_sms for threads, cache in splits):
+            pytest.skip("this GPU fits the regular parts")
+        plan = softmax._plan(n, caches, splits, held, device)
+        wide_parts = -(-n // (softmax.SPLIT_WIDE_THREADS * splits[-1][1]))
+        expected = "split" if wide_parts <= softmax._max_parts(device.index or 0, held) else "looping"
+        assert plan.path == expected, plan
+        if expected == "split":
+            assert (plan.threads, plan.parts) == (softmax.SPLIT_WIDE_THREADS, wide_parts), plan
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_packed_16bit_rows_on_every_path_and_cache(dtype):
     """16-bit rows held as words (PACK_16BIT): the cached and split paths at several elements per

@@ -67,6 +67,11 @@ CACHED_THREADS = 1024   # most threads of a block that holds a whole row
 ROW_GROUP_MAX = 16
 ROW_GROUP_BLOCK = 256
 SPLIT_THREADS = 256   # forward: several blocks per SM, so one's loads overlap another's waiting
+# Threads of the parts of rows too long for the split choices above (their parts would not all be resident), which
+# would otherwise loop. Measured on an H200 (tuning/few-rows-round1.txt), 64 rows of 1048576: float32 forward
+# 0.53 -> 0.61 of copy, backward 0.49 -> 0.58; bf16 backward 0.33 -> 0.68. As a choice for rows that other parts
+# fit, it lost (rows of 524288: float32 backward 0.73 -> 0.68, bf16 forward 0.65 -> 0.59).
+SPLIT_WIDE_THREADS = 512
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
@@ -602,7 +607,8 @@ def _plan(n: int, caches, splits, held: int, device=None) -> Plan:
     """The Plan for rows of n elements that take `held` bytes each in registers; `caches`: the elements
     per thread that a block holding the whole row may take, fewest first; `splits`: the
     (threads, elements per thread) of a block holding a part of a row, the first that makes
-    at most SPLIT_FEW_PARTS parts, else the first whose parts can all be resident."""
+    at most SPLIT_FEW_PARTS parts, else the first whose parts can all be resident, else the same
+    elements per thread as the last over SPLIT_WIDE_THREADS, if those parts can."""
     for cache in caches:
         needed = next_pow2(-(-n // cache))
         if needed <= min(ROW_GROUP_MAX, MAX_THREADS):
@@ -613,11 +619,17 @@ def _plan(n: int, caches, splits, held: int, device=None) -> Plan:
             return Plan("cached", threads, 1, cache)
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        fitting = [(threads, cache, -(-n // (threads * cache))) for threads, cache in splits]
-        fitting = [f for f in fitting if f[2] <= _max_parts(index, held)]
-        if fitting:
-            threads, cache, parts = next((f for f in fitting if f[2] <= SPLIT_FEW_PARTS), fitting[0])
+        def fitting(choices):
+            parts = [(threads, cache, -(-n // (threads * cache))) for threads, cache in choices]
+            return [p for p in parts if p[2] <= _max_parts(index, held)]
+
+        regular = fitting(splits)
+        if regular:
+            threads, cache, parts = next((f for f in regular if f[2] <= SPLIT_FEW_PARTS), regular[0])
             return Plan("split", threads, parts, cache)
+        wide = fitting(((SPLIT_WIDE_THREADS, splits[-1][1]),))
+        if wide:
+            return Plan("split", *wide[0])
     return Plan("looping", threads_for(n, 8 * UNROLL), 1, splits[0][1])
 
 
