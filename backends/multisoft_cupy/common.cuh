@@ -6,7 +6,6 @@
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
-typedef unsigned long long u64;
 
 #define MS_INF __int_as_float(0x7f800000)
 #define MS_NAN __int_as_float(0x7fffffff)
@@ -351,92 +350,6 @@ __device__ __forceinline__ Stats row_reduce(Stats v) {
         return total;
     }
 }
-
-#if __CUDA_ARCH__ >= 900
-// A cluster's row reduction without cluster barriers (sm_90+): each block pushes its statistics into a slot
-// of every block of the cluster with st.async, which counts the 16 bytes on the receiving block's mbarrier,
-// and waits on its own barrier for all CLUSTER pushes. A cluster barrier orders all memory (a fence each
-// time); the barrier waits for nothing but these bytes. Rows alternate between two slot sets and barriers: a
-// block pushes row r + 2 only after it has received every block's row r + 1, which each sent after reading
-// its row r slots, so no push lands in a slot still being read. Every block of the cluster must construct it
-// (it ends in a cluster barrier, after which peers may push) and call `finish` before it exits.
-template <int TPR, int CLUSTER>
-struct ClusterExchange {
-    static_assert(TPR > 32 && CLUSTER > 1 && CLUSTER <= 32, "a block per row group, at most 32 blocks");
-    Stats* slots;  // [2][CLUSTER], by sender rank
-    u64* barriers;  // [2]
-    u32 round = 0;
-
-    __device__ __forceinline__ static u32 shared_address(const void* p) {
-        return (u32)__cvta_generic_to_shared(p);
-    }
-    __device__ __forceinline__ static u32 remote(u32 local, u32 rank) {
-        u32 r;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
-        return r;
-    }
-
-    __device__ __forceinline__ ClusterExchange() {
-        __shared__ __align__(16) Stats slot_sets[2 * CLUSTER];
-        __shared__ __align__(8) u64 barrier_pair[2];
-        slots = slot_sets;
-        barriers = barrier_pair;
-        if (threadIdx.x == 0) {
-#pragma unroll
-            for (int b = 0; b < 2; ++b)
-                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&barriers[b])) : "memory");
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        cluster_sync();
-    }
-
-    // The cluster's combined statistics of this row; every thread of the block gets them.
-    __device__ __forceinline__ Stats reduce(Stats v) {
-        constexpr int WARPS = TPR / 32;
-        __shared__ Stats partial[WARPS];
-        __shared__ Stats total;
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        const u32 set = round & 1, parity = (round >> 1) & 1;
-        ++round;
-        v = warp_reduce<32>(v);
-        __syncthreads();  // earlier readers of `total` are done
-        if (lane == 0) partial[warp] = v;
-        __syncthreads();
-        if (warp == 0) {
-            Stats w = lane < WARPS ? partial[lane] : stats_empty();
-            w = warp_reduce<32>(w);
-            const u32 bar = shared_address(&barriers[set]);
-            if (lane == 0)
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                             "r"((u32)(CLUSTER * sizeof(Stats)))
-                             : "memory");
-            if (lane < CLUSTER) {
-                const u32 slot = shared_address(&slots[set * CLUSTER + cluster_rank()]);
-                asm volatile(
-                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
-                        remote(slot, lane)),
-                    "f"(w.m), "f"(w.s), "f"(w.a), "f"(w.b), "r"(remote(bar, lane))
-                    : "memory");
-            }
-            asm volatile(
-                "{\n\t.reg .pred done;\n"
-                "WAIT:\n\t"
-                "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-                "@!done bra WAIT;\n\t}" ::"r"(bar),
-                "r"(parity)
-                : "memory");
-            Stats r = lane < CLUSTER ? slots[set * CLUSTER + lane] : stats_empty();
-            r = warp_reduce<32>(r);
-            if (lane == 0) total = r;
-        }
-        __syncthreads();
-        return total;
-    }
-
-    // No block may exit while a peer can still push to it.
-    __device__ __forceinline__ void finish() { cluster_sync(); }
-};
-#endif
 
 // Launch bounds and, for CLUSTER > 1, the compile-time cluster shape. MIN_BLOCKS
 // resident blocks per multiprocessor cap the registers; 0 takes the default:

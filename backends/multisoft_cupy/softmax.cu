@@ -317,32 +317,6 @@ __device__ __forceinline__ void staged_gradient(const uint4* ys, const uint4* ds
     }
 }
 
-// The row reduction of the staged kernels: row_reduce, or across a cluster ClusterExchange (MS_CLUSTER_EXCHANGE,
-// default on).
-#ifndef MS_CLUSTER_EXCHANGE
-#define MS_CLUSTER_EXCHANGE 1
-#endif
-template <int TPR, int CLUSTER>
-struct RowReducer {
-    __device__ __forceinline__ Stats reduce(Stats v) { return row_reduce<TPR, CLUSTER>(v); }
-    __device__ __forceinline__ void finish() {}
-};
-#if __CUDA_ARCH__ >= 900 && MS_CLUSTER_EXCHANGE
-template <bool FIRST, class A, class B>
-struct Pick {
-    using type = A;
-};
-template <class A, class B>
-struct Pick<false, A, B> {
-    using type = B;
-};
-template <int TPR, int CLUSTER>
-using StagedReducer = typename Pick<(CLUSTER > 1), ClusterExchange<TPR, CLUSTER>, RowReducer<TPR, CLUSTER>>::type;
-#else
-template <int TPR, int CLUSTER>
-using StagedReducer = RowReducer<TPR, CLUSTER>;
-#endif
-
 template <typename T, int TPR, int ROWS, int CLUSTER>
 __device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 M, i64 N, i64 slice,
                                                         int log_mode) {
@@ -355,13 +329,11 @@ __device__ __forceinline__ void softmax_fwd_staged_rows(const T* x, T* out, i64 
     const int vectors = S::vectors(begin, N, slice);
     const T* const src[1] = {x};
     const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
-    StagedReducer<TPR, CLUSTER> reducer;
     for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
         stage_row<T, TPR, 1>(xs, stride, src, row, N, begin, vectors, lane);
-        const Stats st = reducer.reduce(staged_statistics<T, TPR>(xs, vectors, lane));
+        const Stats st = row_reduce<TPR, CLUSTER>(staged_statistics<T, TPR>(xs, vectors, lane));
         staged_normalise<T, TPR>(xs, out + row * N + begin, vectors, lane, st, log_mode);
     }
-    reducer.finish();
 }
 
 // Stages y and dy.
@@ -378,15 +350,13 @@ __device__ __forceinline__ void softmax_bwd_staged_rows(const T* y, const T* dy,
     const int vectors = S::vectors(begin, N, slice);
     const T* const src[2] = {y, dy};
     const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
-    StagedReducer<TPR, CLUSTER> reducer;
     for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < M; row += row_step) {
         stage_row<T, TPR, 2>(ys, stride, src, row, N, begin, vectors, lane);
         Stats st = stats_empty();
         st.a = staged_dot<T, TPR>(ys, ds, vectors, lane, log_mode);
-        const float dot = reducer.reduce(st).a;
+        const float dot = row_reduce<TPR, CLUSTER>(st).a;
         staged_gradient<T, TPR>(ys, ds, dx + row * N + begin, vectors, lane, dot, log_mode);
     }
-    reducer.finish();
 }
 
 template <typename T, int TPR, int ROWS>
