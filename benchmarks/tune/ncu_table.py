@@ -29,7 +29,7 @@ def main():
                          for k, v in row.items() if k.startswith(STALL)), reverse=True)
         top = ", ".join(f"{k} {v:.1f}" for v, k in stalls[:6])
         print(f"{name:<60} {ms * 1e3:8.1f} us  DRAM read {read / 2**20:7.1f} MiB write {write / 2**20:7.1f} MiB"
-              f"  L2 {l2 / 2**20:8.1f} MiB  ({(read + write) / ms / 1e9:6.0f} GB/s)\n    stalls: {top}")
+              f"  L2 {l2 / 2**20:8.1f} MiB  ({(read + write) / (ms * 1e6):6.0f} GB/s)\n    stalls: {top}")
 
 
 if __name__ == "__main__":
