@@ -629,7 +629,8 @@ def _plan(n: int, caches, splits, held: int, device=None) -> Plan:
             return Plan("split", threads, parts, cache)
         wide = fitting(((SPLIT_WIDE_THREADS, splits[-1][1]),))
         if wide:
-            return Plan("split", *wide[0])
+            threads, cache, parts = wide[0]
+            return Plan("split", threads, parts, cache)
     return Plan("looping", threads_for(n, 8 * UNROLL), 1, splits[0][1])
 
 
