@@ -132,7 +132,7 @@ def test_grouped_rows_every_group_size_and_nothing_past_the_last_row(dtype):
                     got = buffer[:rows]
                     held = softmax._held_bytes(*vector_views((x, got))[:2])
                     caches = softmax.CACHE[held] if direction == "forward" else softmax.CACHE_BWD[held]
-                    plan = softmax._plan(n, caches, ((1, 1),), held)
+                    plan = softmax._plan(n, caches, ((1, 1),), held, None, softmax.ROW_GROUP_MAX[direction])
                     groups.add(plan.group)
                     if direction == "forward":
                         softmax.forward(x, got, log)

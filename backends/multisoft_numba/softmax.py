@@ -58,13 +58,14 @@ UNROLL = 8       # elements per thread per step of the looping kernels
 MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
 PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
 CACHED_THREADS = 1024   # most threads of a block that holds a whole row
-# Rows that take at most ROW_GROUP_MAX threads (at any of their CACHE elements each) share blocks of
-# ROW_GROUP_BLOCK threads, a group of threads per row (0: a block per row whatever the row): blocks of a few
-# threads, at most 32 resident per multiprocessor, left it short of loads in flight. Measured on an H200
-# (tuning/short-rows-round1.txt), against a block per row: bf16 rows of 256 columns forward 0.39 -> 0.91 of copy,
-# backward 0.59 -> 0.97; float32 forward 0.76 -> 0.96; bf16 512 forward 0.74 -> 0.91. Rows of 1024 (32
-# threads) measured 0.01 faster as a block each; blocks of 128 or 512 threads level or slower.
-ROW_GROUP_MAX = 16
+# Rows that take at most ROW_GROUP_MAX threads (by direction, at their CACHE / CACHE_BWD elements each) share
+# blocks of ROW_GROUP_BLOCK threads, a group of threads per row (0: a block per row whatever the row): blocks of
+# a few threads, at most 32 resident per multiprocessor, left it short of loads in flight. Measured on an H200
+# (tuning/short-rows-round1..2.txt), against a block per row: bf16 rows of 256 columns forward 0.39 -> 0.91 of
+# copy, backward 0.59 -> 0.97; float32 forward 0.76 -> 0.96; bf16 512 forward 0.74 -> 0.91. Forward rows of
+# 1024 (32 threads) measured 0.01 faster as a block each; blocks of 128 or 512 threads level or slower; bf16
+# backward rows of 256 and 512 as groups of 8 and 16 threads holding 32 values each 0.97 -> 0.88.
+ROW_GROUP_MAX = {"forward": 16, "backward": 32}
 ROW_GROUP_BLOCK = 256
 SPLIT_THREADS = 256   # forward: several blocks per SM, so one's loads overlap another's waiting
 # Threads of the parts of rows too long for the split choices above (their parts would not all be resident), which
@@ -603,17 +604,17 @@ class Plan(NamedTuple):
     group: int = 0
 
 
-def _plan(n: int, caches, splits, held: int, device=None) -> Plan:
+def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0) -> Plan:
     """The Plan for rows of n elements that take `held` bytes each in registers; `caches`: the elements
-    per thread that a block holding the whole row may take, fewest first; `splits`: the
+    per thread that a block holding the whole row may take, fewest first, each as a group of at most
+    `row_group_max` threads sharing a block with other rows, else as a block; `splits`: the
     (threads, elements per thread) of a block holding a part of a row, the first that makes
     at most SPLIT_FEW_PARTS parts, else the first whose parts can all be resident, else the same
     elements per thread as the last over SPLIT_WIDE_THREADS, if those parts can."""
     for cache in caches:
         needed = next_pow2(-(-n // cache))
-        if needed <= min(ROW_GROUP_MAX, MAX_THREADS):
+        if needed <= min(row_group_max, MAX_THREADS):
             return Plan("cached", min(ROW_GROUP_BLOCK, MAX_THREADS), 1, cache, needed)
-    for cache in caches:
         threads = min(threads_for(n, cache), CACHED_THREADS)
         if n <= threads * cache:
             return Plan("cached", threads, 1, cache)
@@ -656,7 +657,7 @@ def forward(x, out, log: bool, plan=None) -> None:
     fmt, width, words = vector_views((x, out))
     held = _held_bytes(fmt, width)
     path, threads, parts, cache, group = Plan(*plan) if plan else _plan(
-        n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held, x.device)
+        n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held, x.device, ROW_GROUP_MAX["forward"])
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
@@ -674,8 +675,8 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
     fmt, width, words = vector_views((y, dy, dx))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache, group = Plan(*plan) if plan else _plan(n, CACHE_BWD[held], SPLIT_BWD[held], held,
-                                                                        y.device)
+    path, threads, parts, cache, group = Plan(*plan) if plan else _plan(
+        n, CACHE_BWD[held], SPLIT_BWD[held], held, y.device, ROW_GROUP_MAX["backward"])
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)

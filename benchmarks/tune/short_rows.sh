@@ -11,8 +11,9 @@
 #          float32 8192 forward staged by blocks.
 #  mixed:  bf16 2048 forward staged by warps; 16384 forward in clusters; 2048 backward 256-thread blocks
 #          held to 64 registers.
-# numba variants: ROW_GROUP_MAX (rows of at most this many threads share blocks; 0: a block per row, the
-# code before session 11) and ROW_GROUP_BLOCK.
+# numba variants: ROW_GROUP_MAX by direction (rows of at most this many threads share blocks; 0: a block per
+# row, the code before session 11). Round 1 had one ROW_GROUP_MAX for both directions (base 32, max16) and
+# varied ROW_GROUP_BLOCK (128, 512: level or slower). PART=cupy or PART=numba runs one half.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
@@ -21,7 +22,7 @@ K="import multisoft_cupy._catalog as k; R = k.RowConfig"
 S='import multisoft_numba.softmax as s'
 tune() { python3 benchmarks/tune/tune.py --csv "$CSV" "$@" || echo "tune.py failed: $*"; }
 
-tune --backend cupy --ops softmax --dtypes bf16,fp32 \
+[ "${PART:-all}" = numba ] || tune --backend cupy --ops softmax --dtypes bf16,fp32 \
   --cases 262144x256,131072x512,32768x2048,8192x8192,4096x16384 --directions forward,backward \
   --variant "base:" \
   --variant "rows_a:$K; k.SOFTMAX_RULES = (('fwd', 2, 128, 256, R(8, 16, 4)), ('fwd', 2, 256, 512, R(16, 8, 4)), ('fwd', 2, 1024, 2048, R(128, 1, 2)), ('bwd', 2, 128, 256, R(8, 16, 4)), ('bwd', 2, 1024, 2048, R(128, 1, 2)), ('fwd', 4, 1024, 2048, R(128, 1, 4)), ('fwd', 4, 8192, 16384, R(512, 1, 4, 2)))" \
@@ -29,10 +30,9 @@ tune --backend cupy --ops softmax --dtypes bf16,fp32 \
   --variant "staged:$K; k.STAGED_WARP_COLUMNS = {**k.STAGED_WARP_COLUMNS, ('fwd', 2): (1024, 4096), ('bwd', 2): (512, 2048)}; k.STAGED_BLOCK_COLUMNS = {**k.STAGED_BLOCK_COLUMNS, ('fwd', 2): (8191, 1 << 62), ('bwd', 2): (8191, 1 << 62), ('fwd', 4): (8191, 1 << 62)}" \
   --variant "mixed:$K; k.STAGED_WARP_COLUMNS = {**k.STAGED_WARP_COLUMNS, ('fwd', 2): (1024, 8192)}; k.SOFTMAX_RULES = (('fwd', 2, 8192, 16384, R(512, 1, 4, 2)), ('bwd', 2, 1024, 2048, R(256, 1, 1, 1, 4)))"
 
-tune --backend numba --ops softmax --dtypes bf16,fp32 \
+[ "${PART:-all}" = cupy ] || tune --backend numba --ops softmax --dtypes bf16,fp32 \
   --cases 262144x256,131072x512,65536x1024 --directions forward,backward \
   --variant "base:" \
-  --variant "block_per_row:$S; s.ROW_GROUP_MAX = 0" \
-  --variant "max16:$S; s.ROW_GROUP_MAX = 16" \
-  --variant "block128:$S; s.ROW_GROUP_BLOCK = 128" \
-  --variant "block512:$S; s.ROW_GROUP_BLOCK = 512"
+  --variant "block_per_row:$S; s.ROW_GROUP_MAX = {'forward': 0, 'backward': 0}" \
+  --variant "max16:$S; s.ROW_GROUP_MAX = {'forward': 16, 'backward': 16}" \
+  --variant "max32:$S; s.ROW_GROUP_MAX = {'forward': 32, 'backward': 32}"
