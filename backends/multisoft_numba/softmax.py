@@ -621,17 +621,15 @@ def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         def fitting(choices):
-            parts = [(threads, cache, -(-n // (threads * cache))) for threads, cache in choices]
-            return [p for p in parts if p[2] <= _max_parts(index, held)]
+            plans = [Plan("split", threads, -(-n // (threads * cache)), cache) for threads, cache in choices]
+            return [p for p in plans if p.parts <= _max_parts(index, held)]
 
         regular = fitting(splits)
         if regular:
-            threads, cache, parts = next((f for f in regular if f[2] <= SPLIT_FEW_PARTS), regular[0])
-            return Plan("split", threads, parts, cache)
+            return next((p for p in regular if p.parts <= SPLIT_FEW_PARTS), regular[0])
         wide = fitting(((SPLIT_WIDE_THREADS, splits[-1][1]),))
         if wide:
-            threads, cache, parts = wide[0]
-            return Plan("split", threads, parts, cache)
+            return wide[0]
     return Plan("looping", threads_for(n, 8 * UNROLL), 1, splits[0][1])
 
 
