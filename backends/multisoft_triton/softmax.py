@@ -51,6 +51,8 @@ RAW_FROM = {"backward tile": 16384, "backward split": 0}
 # 0.85-0.87, bf16 (the streaming kernel) 0.69-0.71 -> 0.70-0.74; tighter caps spilled more and lost, and the
 # backward lost at every cap.
 SPLIT_FORWARD_MAXNREG = {4: 48, 2: 40}
+# The log_softmax split backward loads y after publishing its chunk's sum(dy), while it waits for the row.
+SPLIT_LATE_Y = True
 
 
 @triton.jit
@@ -109,13 +111,25 @@ def _claim_chunk(count_ptr, N, chunks, CHUNK: tl.constexpr, TICKET: tl.constexpr
 
 
 @triton.jit
-def _wait_for_row(counter_ptr, chunks):
-    """Publish this chunk's statistics, then wait until all chunks of the row have."""
+def _arrive(counter_ptr):
+    """Publish this chunk's statistics (stored before): count the chunk on its row's counter. Returns the
+    count so far, for _wait."""
     tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
+
+
+@triton.jit
+def _wait(counter_ptr, arrived, chunks):
+    """Wait until all chunks of the row have arrived."""
     while arrived < chunks:
         arrived = tl.atomic_add(counter_ptr, 0, sem="acquire")
     tl.debug_barrier()
+
+
+@triton.jit
+def _wait_for_row(counter_ptr, chunks):
+    """Publish this chunk's statistics, then wait until all chunks of the row have."""
+    _wait(counter_ptr, _arrive(counter_ptr), chunks)
 
 
 @triton.jit
@@ -244,12 +258,20 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK: tl.constexpr, LOG: tl.cons
 @triton.jit
 def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, zero, CHUNK: tl.constexpr,
                       CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr, RAW: tl.constexpr):
+                      COUNTER_STRIDE: tl.constexpr, RAW: tl.constexpr, LATE_Y: tl.constexpr):
     row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
-    y = tl.load(y_ptr + offsets, mask=mask, other=0.0)
+    counter_ptr = count_ptr + (row + 1) * COUNTER_STRIDE
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
-    tl.store(sum_ptr + ticket, _gradient_total(y, dy, LOG, axis=0))
-    _wait_for_row(count_ptr + (row + 1) * COUNTER_STRIDE, chunks)
+    if LOG and LATE_Y:
+        # log_softmax's row term needs dy only: y is loaded while the row's other chunks are awaited
+        tl.store(sum_ptr + ticket, tl.sum(dy.to(tl.float32), axis=0))
+        arrived = _arrive(counter_ptr)
+        y = tl.load(y_ptr + offsets, mask=mask, other=0.0)
+        _wait(counter_ptr, arrived, chunks)
+    else:
+        y = tl.load(y_ptr + offsets, mask=mask, other=0.0)
+        tl.store(sum_ptr + ticket, _gradient_total(y, dy, LOG, axis=0))
+        _wait_for_row(counter_ptr, chunks)
     parts = row * chunks + tl.arange(0, CHUNKS_P2)
     part_mask = tl.arange(0, CHUNKS_P2) < chunks
     total = tl.sum(tl.load(sum_ptr + parts, mask=part_mask, other=0.0, volatile=True), axis=0)
@@ -347,4 +369,5 @@ def backward(y, dy, dx, log):
         _bwd_split_kernel[(M * chunks,)](
             y, dy, dx, sums, _split_counters(y, M), N, chunks, 0, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(y, "backward split", block), num_warps=warps)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(y, "backward split", block), LATE_Y=SPLIT_LATE_Y,
+            num_warps=warps)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The split log_softmax backward loading y after publishing its chunk's sum(dy), while it waits for the row,
+# against loading y with dy (all three backends). Triton: SPLIT_LATE_Y in one process; CuPy: cupy_ab.sh
+# against REF_FILE (softmax.cu before the change); numba: process_ab.sh against REF_DIR (the package before).
+#   REF_FILE=ab_ref/softmax.cu REF_DIR=ab_ref bash benchmarks/tune/late_y.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/multisoft-tune}
+mkdir -p "$OUT"
+CASES=${CASES:-4096x32768,1024x131072,512x262144}
+python3 benchmarks/tune/tune.py --backend triton --ops log_softmax,softmax --dtypes fp32,bf16 --cases "$CASES" \
+  --directions backward --csv "$OUT/late_y_triton.csv" --variant "late:" \
+  --variant "early:import multisoft_triton.softmax as s; s.SPLIT_LATE_Y = False" --variant "late_again:" \
+  || echo "triton late_y failed: rc=$?"
+OPS=log_softmax,softmax CASES="$CASES" DIRECTIONS=backward REF_FILE="$REF_FILE" bash benchmarks/tune/cupy_ab.sh
+OPS=log_softmax,softmax CASES="$CASES" DIRECTIONS=backward BACKEND=numba REF_DIR="$REF_DIR" \
+  bash benchmarks/tune/process_ab.sh
