@@ -24,22 +24,41 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _forward(logits, target, weight, ignore_index, label_smoothing, backend):
+    """(per_row, lse): per_row[0] the rows' losses, per_row[1] the weight of each row in a mean (w[target], 0 for
+    an ignored row), one (2, M) tensor so that a mean's two sums are one reduction; lse the rows' logsumexp."""
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
-    loss = torch.empty(rows, dtype=dtype, device=logits.device)
+    per_row = torch.empty((2, rows), dtype=dtype, device=logits.device)
     lse = torch.empty(rows, dtype=dtype, device=logits.device)
     get_backend(backend).kernels("cross_entropy").forward(
-        logits, target, weight, loss, lse, ignore_index, label_smoothing)
-    return loss, lse
+        logits, target, weight, per_row[0], lse, per_row[1], ignore_index, label_smoothing)
+    return per_row, lse
 
 
 def _backward(logits, target, weight, weight_sum, lse, grad_loss, ignore_index, label_smoothing, backend,
               grad_logits=None):
+    """grad_loss: each row's, or one value for every row (0-d, passed on as a broadcast view)."""
     if grad_logits is None:
         grad_logits = torch.empty_like(logits)
+    grad_loss = grad_loss.to(lse.dtype)
+    grad_loss = grad_loss.reshape(1).expand(lse.shape[0]) if grad_loss.ndim == 0 else grad_loss.contiguous()
     get_backend(backend).kernels("cross_entropy").backward(
-        logits, target, weight, weight_sum, lse, grad_loss.to(lse.dtype).contiguous(), grad_logits,
-        ignore_index, label_smoothing)
+        logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing)
     return grad_logits
+
+
+def _reduce(per_row, reduction, out_dtype):
+    """(loss, denominator) from _forward's per_row, outside autograd; denominator: a mean's sum of row weights."""
+    if reduction == "none":
+        return per_row[0].to(out_dtype), None
+    if reduction == "sum":
+        return per_row[0].sum().to(out_dtype), None
+    totals = per_row.sum(1)
+    return torch.div(totals[0], totals[1], out=per_row.new_empty((), dtype=out_dtype)), totals[1]
+
+
+def _grad_per_row(grad, denominator):
+    """The gradient of each row's loss from the reduced loss's: a 0-d tensor for every row when reduced."""
+    return grad / denominator if denominator is not None else grad
 
 
 # -- torch.library ops, used under torch.compile
@@ -55,7 +74,7 @@ def cross_entropy_forward_op(logits: torch.Tensor, target: torch.Tensor, weight:
 @cross_entropy_forward_op.register_fake
 def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, backend):
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
-    return logits.new_empty(rows, dtype=dtype), logits.new_empty(rows, dtype=dtype)
+    return logits.new_empty((2, rows), dtype=dtype), logits.new_empty(rows, dtype=dtype)
 
 
 @torch.library.custom_op("multisoft::cross_entropy_backward", mutates_args=())
@@ -75,9 +94,10 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, target, weight, weight_sum, output[1])
 
 
-def _op_backward(ctx, grad_loss, _grad_lse):
+def _op_backward(ctx, grad_per_row, _grad_lse):
     logits, target, weight, weight_sum, lse = ctx.saved_tensors
-    grad = cross_entropy_backward_op(logits, target, weight, weight_sum, lse, grad_loss,
+    # per_row[1], the row weights, are piecewise constant in the logits: their gradient is dropped
+    grad = cross_entropy_backward_op(logits, target, weight, weight_sum, lse, grad_per_row[0],
                                      ctx.ignore_index, ctx.label_smoothing, ctx.backend)
     return grad, None, None, None, None, None, None
 
@@ -85,46 +105,63 @@ def _op_backward(ctx, grad_loss, _grad_lse):
 cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-# -- autograd Functions, the eager path
+def _compiled(rows_2d, flat_target, weight, weight_sum, ignore_index, label_smoothing, backend, reduction,
+              out_dtype):
+    """The loss under torch.compile: the custom op, then the reduction as ordinary (traced) torch ops."""
+    per_row, _ = cross_entropy_forward_op(rows_2d, flat_target, weight, weight_sum, ignore_index, label_smoothing,
+                                          backend)
+    if reduction == "none":
+        return per_row[0].to(out_dtype)
+    if reduction == "sum":
+        return per_row[0].sum().to(out_dtype)
+    return (per_row[0].sum() / per_row[1].sum()).to(out_dtype)
+
+
+# -- autograd Functions, the eager path: the reduction inside, so that a reduced loss's gradient reaches the
+# kernels as one broadcast value (no per-row tensor, no kernels for the reduction's own backward)
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, weight, weight_sum, ignore_index, label_smoothing, backend):
-        loss, lse = _forward(logits, target, weight, ignore_index, label_smoothing, backend)
+    def forward(ctx, logits, target, weight, weight_sum, ignore_index, label_smoothing, backend, reduction,
+                out_dtype):
+        per_row, lse = _forward(logits, target, weight, ignore_index, label_smoothing, backend)
+        loss, denominator = _reduce(per_row, reduction, out_dtype)
         ctx.args = (ignore_index, label_smoothing, backend)
-        ctx.save_for_backward(logits, target, weight, weight_sum, lse)
+        ctx.save_for_backward(logits, target, weight, weight_sum, lse, denominator)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        logits, target, weight, weight_sum, lse = ctx.saved_tensors
-        grad = _backward(logits, target, weight, weight_sum, lse, grad_loss, *ctx.args)
-        return grad, None, None, None, None, None, None
+    def backward(ctx, grad):
+        logits, target, weight, weight_sum, lse, denominator = ctx.saved_tensors
+        grad_logits = _backward(logits, target, weight, weight_sum, lse, _grad_per_row(grad, denominator),
+                                *ctx.args)
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
 class _CrossEntropyInPlace(torch.autograd.Function):
-    """Writes the gradient for ``expected_grad_loss`` into the logits during the forward."""
+    """Writes the gradient for a gradient of 1 (for each row, or for the reduced loss) into the logits during
+    the forward; the backward only rescales it when the gradient it gets is not 1."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, weight_sum, ignore_index, label_smoothing, backend,
-                expected_grad_loss):
+    def forward(ctx, logits, target, weight, weight_sum, ignore_index, label_smoothing, backend, reduction,
+                out_dtype):
         buffer = logits.detach()
-        loss, lse = _forward(buffer, target, weight, ignore_index, label_smoothing, backend)
-        _backward(buffer, target, weight, weight_sum, lse, expected_grad_loss, ignore_index, label_smoothing,
-                  backend, grad_logits=buffer)
-        ctx.save_for_backward(buffer, expected_grad_loss)
+        per_row, lse = _forward(buffer, target, weight, ignore_index, label_smoothing, backend)
+        loss, denominator = _reduce(per_row, reduction, out_dtype)
+        _backward(buffer, target, weight, weight_sum, lse, _grad_per_row(lse.new_ones(()), denominator),
+                  ignore_index, label_smoothing, backend, grad_logits=buffer)
+        ctx.save_for_backward(buffer)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        buffer, expected = ctx.saved_tensors
-        if not torch.equal(grad_loss, expected):
-            scale = torch.where(expected == 0, 0.0, grad_loss / expected)
-            buffer.mul_(scale.unsqueeze(1).to(buffer.dtype))
-        return buffer, None, None, None, None, None, None, None
+    def backward(ctx, grad):
+        (buffer,) = ctx.saved_tensors
+        if not bool((grad == 1).all()):
+            buffer.mul_((grad.unsqueeze(1) if grad.ndim else grad).to(buffer.dtype))
+        return buffer, None, None, None, None, None, None, None, None
 
 
 def _check(logits, target, weight, ignore_index, reduction, label_smoothing):
@@ -181,31 +218,30 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
     flat_target = flat_target.contiguous()
     weight32 = weight.to(stats_dtype).contiguous() if weight is not None else None
     weight_sum = weight32.sum().reshape(1) if weight is not None else None
-    if reduction == "mean":
-        valid = flat_target != ignore_index
-        if weight32 is None:
-            denominator = valid.sum().to(stats_dtype)
-        else:
-            denominator = (weight32[flat_target.clamp(0, max(classes - 1, 0)).long()] * valid).sum()
+    args = (rows_2d, flat_target, weight32, weight_sum, ignore_index, label_smoothing, backend, reduction, out_dtype)
     if rows_2d.numel() == 0:
-        per_row = rows_2d.sum(-1).to(stats_dtype)
-    elif inplace_backward and not torch.compiler.is_compiling():
-        if reduction == "mean":
-            expected = (1.0 / denominator).expand(rows_2d.shape[0]).contiguous()
-        else:
-            expected = torch.ones(rows_2d.shape[0], dtype=stats_dtype, device=logits.device)
-        per_row = _CrossEntropyInPlace.apply(rows_2d, flat_target, weight32, weight_sum, ignore_index,
-                                             label_smoothing, backend, expected)
+        loss = _empty_rows(rows_2d, flat_target, weight32, ignore_index, reduction, stats_dtype).to(out_dtype)
     elif torch.compiler.is_compiling():
-        per_row, _ = cross_entropy_forward_op(rows_2d, flat_target, weight32, weight_sum, ignore_index,
-                                              label_smoothing, backend)
+        loss = _compiled(*args)
+    elif inplace_backward:
+        loss = _CrossEntropyInPlace.apply(*args)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
-        per_row = _CrossEntropy.apply(rows_2d, flat_target, weight32, weight_sum, ignore_index,
-                                      label_smoothing, backend)
+        loss = _CrossEntropy.apply(*args)
     else:
         per_row, _ = _forward(rows_2d, flat_target, weight32, ignore_index, label_smoothing, backend)
+        loss, _ = _reduce(per_row, reduction, out_dtype)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _empty_rows(rows_2d, flat_target, weight, ignore_index, reduction, stats_dtype):
+    """The loss of logits with no elements (no rows, or no classes), from torch ops."""
+    per_row = rows_2d.sum(-1).to(stats_dtype)
     if reduction == "none":
-        return per_row.reshape(target.shape).to(out_dtype)
+        return per_row
     if reduction == "sum":
-        return per_row.sum().to(out_dtype)
-    return (per_row.sum() / denominator).to(out_dtype)
+        return per_row.sum()
+    valid = flat_target != ignore_index
+    if weight is None:
+        return per_row.sum() / valid.sum().to(stats_dtype)
+    classes = rows_2d.shape[1]
+    return per_row.sum() / (weight[flat_target.clamp(0, max(classes - 1, 0)).long()] * valid).sum()

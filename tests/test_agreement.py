@@ -154,24 +154,24 @@ def test_cross_entropy(backend, dtype, case, reduction):
     assert_close(grad, grad_expected, dtype, "gradient")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @on_each_backend
-def test_cross_entropy_inplace_backward(backend, dtype):
+def test_cross_entropy_inplace_backward(backend, dtype, reduction):
     logits, target, weight = _ce_inputs((24, 3000), dtype, weight=True, ignore=0.2)
+    kwargs = dict(weight=weight, label_smoothing=0.1, reduction=reduction)
     expected_logits = logits.detach().double().requires_grad_()
-    expected = reference_cross_entropy(expected_logits, target, weight=weight, label_smoothing=0.1)
-    expected.backward()
+    expected = reference_cross_entropy(expected_logits, target, **kwargs)
+    expected.sum().backward()
     buffer = logits.detach().clone().requires_grad_()
-    loss = multisoft.cross_entropy(buffer, target, weight=weight, label_smoothing=0.1, backend=backend,
-                                   inplace_backward=True)
+    loss = multisoft.cross_entropy(buffer, target, backend=backend, inplace_backward=True, **kwargs)
     assert_close(loss, expected, dtype, "loss")
-    loss.backward()
+    loss.sum().backward()
     assert_close(buffer.grad, expected_logits.grad, dtype, "gradient")
     assert buffer.grad.data_ptr() == buffer.data_ptr(), "the gradient must live in the logits buffer"
     # a non-unit incoming gradient rescales the stored one
     buffer = logits.detach().clone().requires_grad_()
-    (3.0 * multisoft.cross_entropy(buffer, target, weight=weight, label_smoothing=0.1, backend=backend,
-                                   inplace_backward=True)).backward()
+    (3.0 * multisoft.cross_entropy(buffer, target, backend=backend, inplace_backward=True, **kwargs)).sum().backward()
     assert_close(buffer.grad, 3.0 * expected_logits.grad, dtype, "gradient x3")
 
 

@@ -236,7 +236,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     assert sum("split" in expression for _, expression, _ in calls) == 2
     target = torch.zeros(4, dtype=torch.int64)
     w = torch.ones(300)
-    cross_entropy.forward(x, target, w, torch.empty(4), torch.empty(4), -100, 0.1)
+    cross_entropy.forward(x, target, w, torch.empty(4), torch.empty(4), torch.empty(4), -100, 0.1)
     cross_entropy.backward(x, target, None, None, torch.empty(4), torch.empty(4), x, -100, 0.0)
     layout = torch.ones(1, 2, 2, dtype=torch.long)
     lut = make_lut(layout, 16, "cpu")
@@ -447,7 +447,7 @@ def test_non_default_stream_interleaved_with_torch_work():
         target = torch.randint(0, 4096, (2048,), device=_device())
         loss = torch.empty(2048, device=_device())
         lse = torch.empty(2048, device=_device())
-        cross_entropy.forward(x, target, None, loss, lse, -100, 0.0)
+        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
         total = loss.sum()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
@@ -471,7 +471,7 @@ def test_cross_entropy_invalid_targets_and_in_place(dtype, target_dtype):
     weight = torch.rand(classes, device=_device())
     loss = torch.empty(rows, device=_device())
     lse = torch.empty(rows, device=_device())
-    cross_entropy.forward(logits, target, weight, loss, lse, -100, 0.1)
+    cross_entropy.forward(logits, target, weight, loss, lse, torch.empty_like(lse), -100, 0.1)
     ref_loss, ref_lse, ref_grad = ce_reference(logits, target, weight, -100, 0.1)
     assert loss[[2, 3, 4]].isnan().all() and loss[1] == 0
     check(loss, ref_loss, torch.float32, "loss")
@@ -521,7 +521,7 @@ def test_second_device():
         softmax.forward(x, y, False)
         target = torch.randint(0, 5000, (64,), device=dev)
         loss, lse = torch.empty(64, device=dev), torch.empty(64, device=dev)
-        cross_entropy.forward(x, target, None, loss, lse, -100, 0.0)
+        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
     check(y, torch.softmax(x.double(), -1), torch.float32, "cuda:1 softmax")
     check(loss, ce_reference(x, target, None, -100, 0.0)[0], torch.float32, "cuda:1 loss")
 
@@ -627,7 +627,7 @@ def test_cross_entropy_backward_configs_and_row_orders(cfg, dtype, monkeypatch):
         target[2] = -100
         loss = torch.empty(rows, device=_device())
         lse = torch.empty(rows, device=_device())
-        cross_entropy.forward(logits, target, None, loss, lse, -100, 0.0)
+        cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
         _, _, ref_grad = ce_reference(logits, target, None, -100, 0.0)
         grad_loss = torch.rand(rows, device=_device())
         expected = ref_grad * grad_loss.double()[:, None]
@@ -650,7 +650,7 @@ def test_cross_entropy_forward_configs(cfg, monkeypatch):
     target = torch.randint(0, classes, (rows,), device=_device())
     loss = torch.empty(rows, device=_device())
     lse = torch.empty(rows, device=_device())
-    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.1)
+    cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.1)
     ref_loss, ref_lse, _ = ce_reference(logits, target, None, -100, 0.1)
     check(loss, ref_loss, torch.float32, "loss")
     check(lse, ref_lse, torch.float32, "lse")

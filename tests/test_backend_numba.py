@@ -103,7 +103,7 @@ def test_vector_widths_agree(dtype):
         finite = x.nan_to_num(neginf=0.0)
         finite = finite if x is aligned else _shifted_copy(finite)
         loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
-        cross_entropy.forward(finite, target, None, loss, lse, -100, 0.1)
+        cross_entropy.forward(finite, target, None, loss, lse, torch.empty_like(lse), -100, 0.1)
         grad = torch.empty_like(x)
         cross_entropy.backward(finite, target, None, None, lse, torch.ones(rows, device=DEVICE), grad, -100, 0.1)
         results.append(got + [loss, lse, grad])
@@ -197,7 +197,7 @@ def test_invalid_targets_give_nan_and_stay_in_bounds(dtype):
     logits.copy_(torch.randn(rows, classes, device=DEVICE))
     target = torch.tensor([3, classes, -1, -100, 2**40, -(2**40)], device=DEVICE)
     loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
-    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.1)
+    cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.1)
     assert torch.isfinite(loss[0]) and loss[3] == 0
     assert torch.isnan(loss[[1, 2, 4, 5]]).all()
     assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
@@ -227,7 +227,7 @@ def test_launches_on_the_current_non_default_stream():
             target = torch.randint(0, 32000, (512,), device=DEVICE)
             logits = (a @ a).view(512, -1)[:, :32000].contiguous() * 1e-3
             loss, lse = torch.empty(512, device=DEVICE), torch.empty(512, device=DEVICE)
-            cross_entropy.forward(logits, target, None, loss, lse, -100, 0.0)
+            cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
             loss_expected = F.cross_entropy(logits.double(), target, reduction="none")
             side.synchronize()
             assert_close(out, expected, torch.float32, "softmax on a side stream")

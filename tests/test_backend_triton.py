@@ -58,7 +58,7 @@ def test_invalid_targets_are_never_read(classes, target_dtype):
     target = torch.tensor([0, classes, -1, far, -far, classes - 1], dtype=target_dtype, device=DEVICE)
     loss = torch.empty(rows, device=DEVICE)
     lse = torch.empty(rows, device=DEVICE)
-    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.1)
+    cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.1)
     grad = torch.empty_like(logits)
     cross_entropy.backward(logits, target, None, None, lse, torch.ones(rows, device=DEVICE), grad, -100, 0.1)
     expected_lse, _ = _reference_lse_loss(logits, target)
@@ -76,7 +76,7 @@ def test_cross_entropy_backward_in_place():
     target[2] = -100
     weight = torch.rand(1000, device=DEVICE)
     loss, lse = torch.empty(7, device=DEVICE), torch.empty(7, device=DEVICE)
-    cross_entropy.forward(logits, target, weight, loss, lse, -100, 0.2)
+    cross_entropy.forward(logits, target, weight, loss, lse, torch.empty_like(lse), -100, 0.2)
     grad_loss = torch.randn(7, device=DEVICE)
     args = (target, weight, weight.sum().reshape(1), lse, grad_loss)
     separate = torch.empty_like(logits)
@@ -103,7 +103,7 @@ def test_cross_entropy_long_rows(weighted, smoothing):
     target = torch.tensor([7, classes - 1, -100, 12, 2 * cross_entropy.LOOP_BLOCK], device=DEVICE)
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
     loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
-    cross_entropy.forward(logits, target, weight, loss, lse, -100, smoothing)
+    cross_entropy.forward(logits, target, weight, loss, lse, torch.empty_like(lse), -100, smoothing)
     finite = logits.isfinite().all(1)  # smoothing sums every logit: -inf ones give an infinite loss
     expected = reference_cross_entropy(logits.double(), target, weight=weight, label_smoothing=smoothing,
                                        reduction="none")
@@ -180,7 +180,7 @@ def test_second_device():
     logits = torch.randn(64, 32000, device="cuda:1")
     target = torch.randint(0, 32000, (64,), device="cuda:1")
     loss, lse = torch.empty(64, device="cuda:1"), torch.empty(64, device="cuda:1")
-    cross_entropy.forward(logits, target, None, loss, lse, -100, 0.0)
+    cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
     expected_lse, expected_loss = _reference_lse_loss(logits, target)
     torch.testing.assert_close(loss.double(), expected_loss, atol=1e-5, rtol=1e-5)
     _check_softmax(torch.randn(5, 300000, device="cuda:1"), False)

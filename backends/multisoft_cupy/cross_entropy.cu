@@ -6,7 +6,8 @@
 
 template <typename T, typename TI, int TPR, int ROWS, int VPT, int CLUSTER>
 __device__ __forceinline__ void ce_fwd_rows(const T* logits, const TI* target, const float* weight, float* loss,
-                                            float* lse, i64 M, i64 C, i64 ignore_index, float eps, int vec_ok) {
+                                            float* lse, float* row_weight, i64 M, i64 C, i64 ignore_index, float eps,
+                                            int vec_ok) {
     using TL = Tile<T, TPR, VPT>;
     const int lane = threadIdx.x % TPR;
     const i64 rank = CLUSTER > 1 ? (i64)cluster_rank() : 0;
@@ -47,45 +48,50 @@ __device__ __forceinline__ void ce_fwd_rows(const T* logits, const TI* target, c
         if (lane == 0 && rank == 0) {
             const float row_lse = st.m + logf(st.s);
             lse[row] = row_lse;
-            float value;
+            float value, wt = 0.f;
             if (t == ignore_index) {
                 value = 0.f;
             } else if (t < 0 || t >= C) {
                 value = MS_NAN;
             } else {
-                const float wt = weight ? weight[t] : 1.f;
+                wt = weight ? weight[t] : 1.f;
                 value = (1.f - eps) * wt * (row_lse - to_float(xr[t]));
                 if (smooth) value += eps / (float)C * (st.b * row_lse - st.a);
             }
             loss[row] = value;
+            row_weight[row] = wt;
         }
     }
 }
 
 template <typename T, typename TI, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) ce_fwd(const T* logits, const TI* target, const float* weight, float* loss,
-                                                 float* lse, i64 M, i64 C, i64 ignore_index, float eps, int vec_ok) {
-    ce_fwd_rows<T, TI, TPR, ROWS, VPT, 1>(logits, target, weight, loss, lse, M, C, ignore_index, eps, vec_ok);
+                                                 float* lse, float* row_weight, i64 M, i64 C, i64 ignore_index,
+                                                 float eps, int vec_ok) {
+    ce_fwd_rows<T, TI, TPR, ROWS, VPT, 1>(logits, target, weight, loss, lse, row_weight, M, C, ignore_index, eps,
+                                          vec_ok);
 }
 
 #if __CUDA_ARCH__ >= 900
 template <typename T, typename TI, int TPR, int VPT, int CLUSTER, int MIN_BLOCKS = 0>
 MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) ce_fwd_cluster(const T* logits, const TI* target, const float* weight,
-                                                           float* loss, float* lse, i64 M, i64 C, i64 ignore_index,
-                                                           float eps, int vec_ok) {
-    ce_fwd_rows<T, TI, TPR, 1, VPT, CLUSTER>(logits, target, weight, loss, lse, M, C, ignore_index, eps, vec_ok);
+                                                           float* loss, float* lse, float* row_weight, i64 M, i64 C,
+                                                           i64 ignore_index, float eps, int vec_ok) {
+    ce_fwd_rows<T, TI, TPR, 1, VPT, CLUSTER>(logits, target, weight, loss, lse, row_weight, M, C, ignore_index, eps,
+                                             vec_ok);
 }
 #endif
 
-// grad[i, c] = g * ((1 - eps) * w[t] * (p[c] - (c == t)) + eps / C * (W * p[c] - w[c])).
+// grad[i, c] = g * ((1 - eps) * w[t] * (p[c] - (c == t)) + eps / C * (W * p[c] - w[c])),
+// g = grad_loss[i * grad_stride] (grad_stride 0: one gradient for every row).
 // Block (x, y) handles tiles x, x + gridDim.x, ... of the y-th, (y + gridDim.y)-th, ... rows,
 // counted from the last row with `reverse` (the forward ends there, so those tiles may still be in L2).
 // `grad` may be `logits`: every element is read before the same thread writes it.
 template <typename T, typename TI, int THREADS, int VPT, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) ce_bwd(const T* logits, const TI* target, const float* weight,
                                               const float* weight_sum, const float* lse, const float* grad_loss,
-                                              T* grad, i64 M, i64 C, i64 ignore_index, float eps, int vec_ok,
-                                              int reverse) {
+                                              i64 grad_stride, T* grad, i64 M, i64 C, i64 ignore_index, float eps,
+                                              int vec_ok, int reverse) {
     using TL = Tile<T, THREADS, VPT>;
     const int lane = threadIdx.x;
     const i64 ntiles = (C + TL::SIZE - 1) / TL::SIZE;
@@ -100,7 +106,7 @@ MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) ce_bwd(const T* logits, const TI* target,
             TL::load(v, logits + row * C, map, start, C, lane, vec, 0.f);
             const i64 t = (i64)target[row];
             const bool ignored = t == ignore_index, invalid = !ignored && (t < 0 || t >= C);
-            const float g = grad_loss[row], row_lse = lse[row];
+            const float g = grad_loss[row * grad_stride], row_lse = lse[row];
             float out[TL::EPT];
             if (ignored || invalid) {
 #pragma unroll

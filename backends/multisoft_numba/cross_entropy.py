@@ -32,7 +32,7 @@ def _forward(fmt, width, unroll, smooth, has_weight):
     words = word_layout(fmt, width)[1]
 
     @kernel
-    def forward(x, target, weight, loss, lse, ignore_index, eps):
+    def forward(x, target, weight, loss, lse, row_weight, ignore_index, eps):
         row = cuda.blockIdx.x
         x_row = x[uint64(row)]
         tid = cuda.threadIdx.x
@@ -72,12 +72,14 @@ def _forward(fmt, width, unroll, smooth, has_weight):
             row_lse = m + logf(s)
             lse[row] = row_lse
             t = target[row]
+            row_weight[row] = float32(0.0)
             if t == ignore_index:
                 loss[row] = float32(0.0)
             elif t < 0 or t >= n:
                 loss[row] = NAN
             else:
                 w_t = weight[t] if has_weight else float32(1.0)
+                row_weight[row] = w_t
                 read(x_row, t // width, vals, 0)
                 x_t = vals[0]
                 for j in range(1, width):
@@ -98,7 +100,7 @@ def _backward(fmt, width, unroll, smooth, has_weight):
     words = word_layout(fmt, width)[1]
 
     @kernel
-    def backward(x, target, weight, weight_sum, lse, grad_loss, grad, ignore_index, eps):
+    def backward(x, target, weight, weight_sum, lse, grad_loss, grad_stride, grad, ignore_index, eps):
         row = cuda.blockIdx.x
         x_row = x[uint64(row)]
         grad_row = grad[uint64(row)]
@@ -115,7 +117,7 @@ def _backward(fmt, width, unroll, smooth, has_weight):
                 vals[k] = fill
             write_vectors(grad_row, first, threads, n_vectors, vals)
             return
-        g = grad_loss[row]
+        g = grad_loss[row * grad_stride]
         row_lse = lse[row]
         w_t = weight[t] if has_weight else float32(1.0)
         w_total = weight_sum[0] if has_weight else float32(n)
@@ -139,14 +141,14 @@ def _backward(fmt, width, unroll, smooth, has_weight):
     return backward
 
 
-def forward(logits, target, weight, loss, lse, ignore_index: int, label_smoothing: float) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, ignore_index: int, label_smoothing: float) -> None:
     rows, classes = logits.shape
     threads = threads_for(classes, 4 * UNROLL)
     fmt, width, (logit_words,) = vector_views((logits,))
     weight_or_placeholder = weight if weight is not None else loss   # never read when weight is None
     smooth = bool(numpy.float32(label_smoothing))
     launch(_forward(fmt, width, UNROLL, smooth, weight is not None), rows, threads,
-           (logit_words, target, weight_or_placeholder, loss, lse, numpy.int64(ignore_index),
+           (logit_words, target, weight_or_placeholder, loss, lse, row_weight, numpy.int64(ignore_index),
             numpy.float32(label_smoothing)))
 
 
@@ -157,7 +159,11 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
     fmt, width, (logit_words, grad_words) = vector_views((logits, grad_logits))
     chunks = -(-(classes // width) // (threads * (BACKWARD_UNROLL // width)))
     has_weight = weight is not None
+    grad_stride = grad_loss.stride(0)
+    if grad_stride == 0:   # one gradient for every row: its single element, as a contiguous array
+        grad_loss = grad_loss[:1]
     launch(_backward(fmt, width, BACKWARD_UNROLL, bool(numpy.float32(label_smoothing)), has_weight),
            (rows, chunks), threads,
            (logit_words, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse,
-            grad_loss, grad_words, numpy.int64(ignore_index), numpy.float32(label_smoothing)))
+            grad_loss, numpy.int64(grad_stride), grad_words, numpy.int64(ignore_index),
+            numpy.float32(label_smoothing)))

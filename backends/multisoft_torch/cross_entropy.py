@@ -15,7 +15,7 @@ def _probabilities(logits, lse):
     return x, (x - lse.to(x.dtype).unsqueeze(1)).exp()
 
 
-def forward(logits, target, weight, loss, lse, ignore_index: int, label_smoothing: float) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, ignore_index: int, label_smoothing: float) -> None:
     classes = logits.shape[1]
     valid = _check_targets(target, classes, ignore_index)
     x = logits.to(torch.float64)
@@ -24,8 +24,9 @@ def forward(logits, target, weight, loss, lse, ignore_index: int, label_smoothin
     safe_target = torch.where(valid, target, 0).long()
     nll = row_lse - x.gather(1, safe_target.unsqueeze(1)).squeeze(1)
     w = weight.to(x.dtype) if weight is not None else None
-    if w is not None:
-        nll = nll * w[safe_target]
+    target_weight = w[safe_target] if w is not None else torch.ones_like(nll)
+    row_weight.copy_(torch.where(valid, target_weight, 0.0))
+    nll = nll * target_weight
     per_row = (1.0 - label_smoothing) * nll
     if label_smoothing:
         neg_log_p = row_lse.unsqueeze(1) - x

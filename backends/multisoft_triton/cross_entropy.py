@@ -42,7 +42,7 @@ def _row_loss(nll, smooth, ignored, valid, target_weight, keep, smooth_per_class
 
 
 @triton.jit
-def _fwd_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, M, C, ignore_index,
+def _fwd_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, M, C, ignore_index,
                      keep, smooth_per_class, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -66,10 +66,11 @@ def _fwd_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, M, C
     loss = _row_loss(lse - x_target, smooth, ignored, valid, target_weight, keep, smooth_per_class, SMOOTH)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     tl.store(loss_ptr + rows, loss, mask=row_mask)
+    tl.store(row_weight_ptr + rows, target_weight, mask=row_mask)
 
 
 @triton.jit
-def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, C, ignore_index,
+def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, C, ignore_index,
                      keep, smooth_per_class, BLOCK: tl.constexpr, STAGES: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                      SMOOTH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -103,10 +104,11 @@ def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, C, i
     loss = _row_loss(lse - x_target, smooth, ignored, valid, target_weight, keep, smooth_per_class, SMOOTH)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, loss)
+    tl.store(row_weight_ptr + row, target_weight)
 
 
 @triton.jit
-def _bwd_kernel(logits_ptr, target_ptr, weight_ptr, weight_sum_ptr, lse_ptr, grad_loss_ptr, grad_ptr,
+def _bwd_kernel(logits_ptr, target_ptr, weight_ptr, weight_sum_ptr, lse_ptr, grad_loss_ptr, grad_stride, grad_ptr,
                 M, C, ignore_index, keep, smooth_per_class, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -118,7 +120,7 @@ def _bwd_kernel(logits_ptr, target_ptr, weight_ptr, weight_sum_ptr, lse_ptr, gra
     target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, rows, row_mask, C,
                                                      ignore_index, HAS_WEIGHT)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    grad_loss = tl.load(grad_loss_ptr + rows, mask=row_mask, other=0.0)
+    grad_loss = tl.load(grad_loss_ptr + rows * grad_stride, mask=row_mask, other=0.0)
     # grad = p * p_scale - (c == t) * target_scale - w[c] * weight_scale, with per-row scales
     target_scale = tl.where(valid, keep * target_weight * grad_loss, float("nan"))
     p_scale = target_scale
@@ -148,8 +150,8 @@ def _coefficients(label_smoothing, C):
     return 1.0 - smoothing, smoothing / C, smoothing > 0.0
 
 
-def forward(logits, target, weight, loss, lse, ignore_index, label_smoothing):
-    """Per-row loss and logsumexp of the (M, C) logits."""
+def forward(logits, target, weight, loss, lse, row_weight, ignore_index, label_smoothing):
+    """Per-row loss, logsumexp and weight in a mean of the (M, C) logits."""
     M, C = logits.shape
     if M == 0:
         return
@@ -161,18 +163,18 @@ def forward(logits, target, weight, loss, lse, ignore_index, label_smoothing):
         if block <= TILE_MAX:
             rows = max(1, min(TILE_ELEMENTS // block, next_power_of_2(M)))
             _fwd_tile_kernel[(triton.cdiv(M, rows),)](
-                logits, target, weight_arg, loss, lse, M, C, int(ignore_index), keep, smooth_per_class,
+                logits, target, weight_arg, loss, lse, row_weight, M, C, int(ignore_index), keep, smooth_per_class,
                 ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth,
                 num_warps=warps_for(rows * block))
         else:
             _fwd_loop_kernel[(M,)](
-                logits, target, weight_arg, loss, lse, C, int(ignore_index), keep, smooth_per_class,
+                logits, target, weight_arg, loss, lse, row_weight, C, int(ignore_index), keep, smooth_per_class,
                 BLOCK=LOOP_BLOCK, STAGES=LOOP_STAGES, HAS_WEIGHT=has_weight, SMOOTH=smooth,
                 num_warps=LOOP_WARPS)
 
 
 def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing):
-    """grad_logits (possibly the logits themselves) from lse and the per-row grad_loss."""
+    """grad_logits (possibly the logits themselves) from lse and the per-row (or broadcast) grad_loss."""
     M, C = logits.shape
     if M == 0:
         return
@@ -184,5 +186,5 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
     with on_device(logits):
         _bwd_kernel[grid](
             logits, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse, grad_loss,
-            grad_logits, M, C, int(ignore_index), keep, smooth_per_class, ROWS=rows, BLOCK=block,
+            grad_loss.stride(0), grad_logits, M, C, int(ignore_index), keep, smooth_per_class, ROWS=rows, BLOCK=block,
             HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps_for(rows * block))
