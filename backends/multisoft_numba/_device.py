@@ -325,22 +325,30 @@ def online_merge(m1, s1, m2, s2):
 FULL_MASK = 0xFFFFFFFF
 
 
-@device_function
-def warp_sum(v):
-    offset = 16
-    while offset > 0:
-        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
-        offset //= 2
-    return v
+@functools.cache
+def shuffle_reductions(width):
+    """(max(v), sum(v)) over each aligned group of `width` lanes (a power of two, at most 32) by shuffles,
+    every lane getting its group's result; the max propagates NaN. The whole warp must take part."""
+    @device_function
+    def lanes_max(v):
+        offset = width // 2
+        while offset > 0:
+            v = nan_max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
+            offset //= 2
+        return v
+
+    @device_function
+    def lanes_sum(v):
+        offset = width // 2
+        while offset > 0:
+            v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
+            offset //= 2
+        return v
+
+    return lanes_max, lanes_sum
 
 
-@device_function
-def warp_max(v):
-    offset = 16
-    while offset > 0:
-        v = nan_max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
-        offset //= 2
-    return v
+warp_max, warp_sum = shuffle_reductions(32)
 
 
 @device_function
@@ -484,21 +492,15 @@ def row_groups(group):
 
         return thread_row, group_max, group_sum
 
+    lanes_max, lanes_sum = shuffle_reductions(group)
+
     @device_function
     def group_max(buf, v):
-        offset = group // 2
-        while offset > 0:
-            v = nan_max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
-            offset //= 2
-        return v
+        return lanes_max(v)
 
     @device_function
     def group_sum(buf, v):
-        offset = group // 2
-        while offset > 0:
-            v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
-            offset //= 2
-        return v
+        return lanes_sum(v)
 
     return thread_row, group_max, group_sum
 
