@@ -95,12 +95,13 @@ def test_cross_entropy_long_rows(weighted, smoothing):
     from multisoft.check import error_ratio, reference_cross_entropy
     from multisoft_triton import cross_entropy
 
-    rows, classes = 5, 3 * cross_entropy.LOOP_BLOCK + 5
+    loop_block = cross_entropy.LOOP_CONFIGS[4][0]
+    rows, classes = 5, 3 * loop_block + 5
     assert classes > cross_entropy.TILE_MAX
     logits = torch.randn(rows, classes, device=DEVICE) * 3
-    logits[1, : cross_entropy.LOOP_BLOCK] = float("-inf")
+    logits[1, :loop_block] = float("-inf")
     logits[3, ::11] = float("-inf")
-    target = torch.tensor([7, classes - 1, -100, 12, 2 * cross_entropy.LOOP_BLOCK], device=DEVICE)
+    target = torch.tensor([7, classes - 1, -100, 12, 2 * loop_block], device=DEVICE)
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
     loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
     cross_entropy.forward(logits, target, weight, loss, lse, torch.empty_like(lse), -100, smoothing)
@@ -267,7 +268,7 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, monkeypatch):
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
     from multisoft_triton import blocksparse
 
-    monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", 0.0)
+    monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {"forward": {4: 0.0, 2: 0.0}, "backward": {4: 0.0, 2: 0.0}})
     monkeypatch.setattr(blocksparse, "TILE_MAX", 512)  # rows of more than 32 blocks of 16 take the loop path
     block, heads, block_rows, block_cols = 16, 2, 24, 48
     lengths = torch.arange(block_rows) * 2 + 1
@@ -275,7 +276,7 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, monkeypatch):
     layout = layout[:, :, torch.randperm(block_cols)].contiguous()  # columns shuffled: lengths stay
     layout[1, 3] = 0
     lut = lookup_table(layout, block, DEVICE)
-    launches = blocksparse._schedule(lut)
+    launches = blocksparse._schedule(lut, 0.0)
     assert len(launches) >= 4 and any(not tile for _, _, (tile, _, _) in launches)
     x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 2).to(dtype)
     y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=is_causal, backend="triton")
@@ -293,7 +294,7 @@ def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():
     from multisoft_triton import blocksparse
 
     causal = torch.ones(2, 64, 64, dtype=torch.long).tril()         # block-rows of 1..64 blocks
-    launches = blocksparse._schedule(lookup_table(causal, 16, "cpu"))
+    launches = blocksparse._schedule(lookup_table(causal, 16, "cpu"), 0.3)
     assert [plan[1] for _, _, plan in launches] == [1, 2, 4, 8, 16, 32, 64]
     assert sum(groups for _, groups, _ in launches) == 2 * 64
     tables = torch.cat([table for table, _, _ in launches])
@@ -302,7 +303,7 @@ def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():
     uniform = torch.ones(2, 64, 64, dtype=torch.long)
     uniform[:, ::2, 24:] = 0   # 24 or 64 blocks: padding 24 to 32 saves 25 %, too little for two launches
     uniform[1, 5] = 0                                                 # an empty block-row is not launched
-    (launch,) = blocksparse._schedule(lookup_table(uniform, 16, "cpu"))
+    (launch,) = blocksparse._schedule(lookup_table(uniform, 16, "cpu"), 0.3)
     assert launch[1] == 127 and 5 + 64 not in launch[0][:, 0].tolist()
 
 

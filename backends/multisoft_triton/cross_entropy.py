@@ -13,8 +13,10 @@ from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift,
 
 TILE_MAX = 8192
 TILE_ELEMENTS = 8192
-LOOP_BLOCK = 16384  # columns a long row's forward program loads at once
-LOOP_WARPS = 8
+# A long row's forward program, by element size: (columns it loads at once, num_warps). Measured on an H200
+# (tuning/triton-ce-loop-round1.txt): bf16 (8192, 4) against (16384, 8), forward 8192x32000 0.84 -> 0.88 of copy,
+# 8192x128256 0.97 -> 1.01; float32 level.
+LOOP_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
 LOOP_STAGES = None  # loads in flight per program (2+: pipelined through shared memory; None: triton decides)
 BACKWARD_BLOCK = 8192  # columns (and elements) of one backward program; 8192 measured best on the H200
 
@@ -167,10 +169,10 @@ def forward(logits, target, weight, loss, lse, row_weight, ignore_index, label_s
                 ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth,
                 num_warps=warps_for(rows * block))
         else:
+            loop_block, warps = LOOP_CONFIGS[logits.element_size()]
             _fwd_loop_kernel[(M,)](
                 logits, target, weight_arg, loss, lse, row_weight, C, int(ignore_index), keep, smooth_per_class,
-                BLOCK=LOOP_BLOCK, STAGES=LOOP_STAGES, HAS_WEIGHT=has_weight, SMOOTH=smooth,
-                num_warps=LOOP_WARPS)
+                BLOCK=loop_block, STAGES=LOOP_STAGES, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps)
 
 
 def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing):

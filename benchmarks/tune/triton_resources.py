@@ -68,13 +68,13 @@ def configurations():
         scalars = {"ignore_index": "i64", "keep": "fp32", "smooth_per_class": "fp32"}
         found.append((f"cross_entropy-fwd-loop-{dtype}", cross_entropy._fwd_loop_kernel,
                       {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "loss_ptr": "*fp32",
-                       "lse_ptr": "*fp32", "C": "i32", **scalars},
-                      {"BLOCK": cross_entropy.LOOP_BLOCK, "STAGES": cross_entropy.LOOP_STAGES, "HAS_WEIGHT": False,
-                       "SMOOTH": False}, cross_entropy.LOOP_WARPS))
+                       "lse_ptr": "*fp32", "row_weight_ptr": "*fp32", "C": "i32", **scalars},
+                      {"BLOCK": cross_entropy.LOOP_CONFIGS[size][0], "STAGES": cross_entropy.LOOP_STAGES,
+                       "HAS_WEIGHT": False, "SMOOTH": False}, cross_entropy.LOOP_CONFIGS[size][1]))
         block = cross_entropy.BACKWARD_BLOCK
         found.append((f"cross_entropy-bwd-{dtype}", cross_entropy._bwd_kernel,
                       {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "weight_sum_ptr": "*fp32",
-                       "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_ptr": ptr, "M": "i32", "C": "i32",
+                       "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_stride": "i32", "grad_ptr": ptr, "M": "i32", "C": "i32",
                        **scalars},
                       {"ROWS": 1, "BLOCK": block, "HAS_WEIGHT": False, "SMOOTH": False},
                       cross_entropy.warps_for(block)))
