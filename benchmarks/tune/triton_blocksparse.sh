@@ -16,5 +16,5 @@ python3 benchmarks/tune/tune.py --backend triton --ops blocksparse_softmax --dty
   --variant "base:$S" \
   --variant "tile4k:$S; b.TILE_ELEMENTS = 4096" \
   --variant "tile8k:$S; b.TILE_ELEMENTS = 8192" \
-  --variant "save0.1:$S; b.BUCKETS_SAVE = 0.1" \
+  --variant "save0.1:$S; b.BUCKETS_SAVE = {'forward': {4: 0.1, 2: 0.1}, 'backward': {4: 0.1, 2: 0.1}}" \
   || echo "triton block-sparse tuning failed: rc=$?"
