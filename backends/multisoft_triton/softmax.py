@@ -51,8 +51,10 @@ RAW_FROM = {"backward tile": 16384, "backward split": 0}
 # 0.85-0.87, bf16 (the streaming kernel) 0.69-0.71 -> 0.70-0.74; tighter caps spilled more and lost, and the
 # backward lost at every cap.
 SPLIT_FORWARD_MAXNREG = {4: 48, 2: 40}
-# The log_softmax split backward loads y after publishing its chunk's sum(dy), while it waits for the row.
-SPLIT_LATE_Y = True
+# Whether the log_softmax split backward loads y after publishing its chunk's sum(dy), while it waits for the row,
+# by element size. Measured on an H200 (tuning/late-y-round1.txt): bf16 1024x131072 0.86 -> 0.89, 512x262144
+# 0.84 -> 0.88; float32 mixed (+0.02 at 131072, -0.01 at 32768 and 262144).
+SPLIT_LATE_Y = {4: False, 2: True}
 
 
 @triton.jit
@@ -369,5 +371,5 @@ def backward(y, dy, dx, log):
         _bwd_split_kernel[(M * chunks,)](
             y, dy, dx, sums, _split_counters(y, M), N, chunks, 0, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(y, "backward split", block), LATE_Y=SPLIT_LATE_Y,
-            num_warps=warps)
+            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(y, "backward split", block),
+            LATE_Y=SPLIT_LATE_Y[y.element_size()], num_warps=warps)
