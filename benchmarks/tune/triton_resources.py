@@ -64,7 +64,7 @@ def configurations():
         for raw in raws:
             found.append((f"softmax-bwd-split-{dtype}-{chunk}{'-raw' if raw else ''}", softmax._bwd_split_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "sum_ptr": "*fp32", **held},
-                          {**split, "RAW": raw}, warps))
+                          {**split, "RAW": raw, "LATE_Y": softmax.SPLIT_LATE_Y[size]}, warps))
         scalars = {"ignore_index": "i64", "keep": "fp32", "smooth_per_class": "fp32"}
         found.append((f"cross_entropy-fwd-loop-{dtype}", cross_entropy._fwd_loop_kernel,
                       {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "loss_ptr": "*fp32",
