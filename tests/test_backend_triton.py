@@ -276,7 +276,7 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, monkeypatch):
     layout = layout[:, :, torch.randperm(block_cols)].contiguous()  # columns shuffled: lengths stay
     layout[1, 3] = 0
     lut = lookup_table(layout, block, DEVICE)
-    launches = blocksparse._schedule(lut, 0.0, 1)
+    launches = blocksparse._schedule(lut, 0.0)
     assert len(launches) >= 4 and any(not tile for _, _, (tile, _, _) in launches)
     x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 2).to(dtype)
     y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=is_causal, backend="triton")
@@ -294,10 +294,7 @@ def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():
     from multisoft_triton import blocksparse
 
     causal = torch.ones(2, 64, 64, dtype=torch.long).tril()         # block-rows of 1..64 blocks
-    # slabs of whole eighths pad a causal layout's rows by 1/9: too little to be worth seven launches
-    (launch,) = blocksparse._schedule(lookup_table(causal, 16, "cpu"), 0.3, 8)
-    assert launch[1] == 2 * 64 and launch[2][1] == 64
-    launches = blocksparse._schedule(lookup_table(causal, 16, "cpu"), 0.3, 1)  # power-of-two slabs pad by 3/4
+    launches = blocksparse._schedule(lookup_table(causal, 16, "cpu"), 0.3)
     assert [plan[1] for _, _, plan in launches] == [1, 2, 4, 8, 16, 32, 64]
     assert sum(groups for _, groups, _ in launches) == 2 * 64
     tables = torch.cat([table for table, _, _ in launches])
@@ -306,43 +303,8 @@ def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():
     uniform = torch.ones(2, 64, 64, dtype=torch.long)
     uniform[:, ::2, 24:] = 0   # 24 or 64 blocks: padding 24 to 32 saves 25 %, too little for two launches
     uniform[1, 5] = 0                                                 # an empty block-row is not launched
-    (launch,) = blocksparse._schedule(lookup_table(uniform, 16, "cpu"), 0.3, 1)
+    (launch,) = blocksparse._schedule(lookup_table(uniform, 16, "cpu"), 0.3)
     assert launch[1] == 127 and 5 + 64 not in launch[0][:, 0].tolist()
-
-
-@needs_kernels
-@pytest.mark.parametrize("tile_elements", [2048, 8192], ids=["half-block-row", "two-block-rows"])
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_blocksparse_slab_steps(dtype, is_causal, tile_elements, monkeypatch):
-    """Block-rows of 1..16 blocks in one launch of 16-block slabs: programs hold every number of eighths
-    (SLAB_STEPS 8: one to three parts), or a whole slab (1), or whole quarters (4). A program holds half a
-    block-row, or with 8192 elements per tile two block-rows of different lengths."""
-    import multisoft
-    from multisoft._blocksparse import lookup_table
-    from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
-    from multisoft_triton import blocksparse
-
-    monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {"forward": {4: 1.0, 2: 1.0}, "backward": {4: 1.0, 2: 1.0}})
-    monkeypatch.setattr(blocksparse, "TILE_ELEMENTS", tile_elements)
-    block, block_rows = 16, 16
-    lengths = torch.arange(block_rows).flip(0) + 1
-    layout = (torch.arange(block_rows)[None, None, :] < lengths[None, :, None]).long()
-    layout = layout[:, :, torch.randperm(block_rows)].contiguous()
-    lut = lookup_table(layout, block, DEVICE)
-    x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 2).to(dtype)
-    dy = torch.randn_like(x)
-    for steps in (8, 1, 4):
-        monkeypatch.setattr(blocksparse, "SLAB_STEPS", steps)
-        (launch,) = blocksparse._schedule(lut, 1.0, steps)
-        assert launch[2] == (True, 16, tile_elements // (16 * block))
-        y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=is_causal, backend="triton")
-        _, ratio = error_ratio(y, reference_blocksparse(x, layout, block, 0.5, is_causal), dtype)
-        assert ratio <= 1, f"forward, {steps} steps: {ratio:.3g} x the tolerance"
-        dx = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=0.5, backend="triton")
-        expected, magnitude = reference_blocksparse_backward(y, dy, layout, block, 0.5)
-        _, ratio = error_ratio(dx, expected, dtype, magnitude)
-        assert ratio <= 1, f"backward, {steps} steps: {ratio:.3g} x the tolerance"
 
 
 @needs_kernels

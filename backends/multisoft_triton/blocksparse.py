@@ -3,16 +3,13 @@
 The rows of a block-row are its B rows of elements, each spread over the
 block-row's blocks. A launch's programs hold ROWS rows each as a [BLOCKS, ROWS,
 B] slab, BLOCKS the power of two that covers the launch's longest block-row;
-ROWS may span several block-rows. A program holds only the whole eighths of
-BLOCKS that its own rows need (SLAB_STEPS), as up to three power-of-two parts,
-so that a row of 65 blocks is held as 80, not 128. When that pads the slabs
-enough less (a causal layout's block-rows run from one block to all), the
-block-rows are grouped by their block count's power of two, one launch per
-group, so that a short row is not padded to the layout's longest one (decided
-once per layout). When a launch's rows fit in registers (tile path) each
-element is read and written once; the longest rows (loop path) are streamed
-twice, first for the row statistics, then for the output. Rows with no
-unmasked element give zeros.
+ROWS may span several block-rows. When that pads the slabs enough less (a
+causal layout's block-rows run from one block to all), the block-rows are
+grouped by their block count's power of two, one launch per group, so that a
+short row is not padded to the layout's longest one (decided once per layout).
+When a launch's rows fit in registers (tile path) each element is read and
+written once; the longest rows (loop path) are streamed twice, first for the
+row statistics, then for the output. Rows with no unmasked element give zeros.
 """
 import weakref
 
@@ -31,9 +28,6 @@ LOOP_ROWS = 16
 # 25 % layouts, 0.70 -> 0.77 at 50 %; float32 0.01-0.04 slower.
 BUCKETS_SAVE = {"forward": {4: 0.3, 2: 0.1}, "backward": {4: 0.3, 2: 0.3}}
 MAX_GRID_Z = 65535  # a CUDA grid's second axis
-# A tile program holds the whole SLAB_STEPS-ths of BLOCKS (1, 4 or 8) that its longest row needs, not all BLOCKS:
-# masked slots cost the instructions of used ones.
-SLAB_STEPS = 8
 
 
 @triton.jit
@@ -52,10 +46,10 @@ def _rows(rows_ptr, rows, ROWS: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _part(columns_ptr, group, start, count, i, nnz, block_rows, first_block, BLOCKS: tl.constexpr,
-          B: tl.constexpr):
-    """Offsets, mask and causal keep-mask of the [BLOCKS, ROWS, B] slab of blocks first_block.. of the rows
-    (group, start, count, i) from _rows."""
+def _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first_block,
+          BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+    """Offsets, mask and causal keep-mask of this program's [BLOCKS, ROWS, B] slab, from block first_block."""
+    group, start, count, i = _rows(rows_ptr, rows, ROWS, B)
     k = first_block + tl.arange(0, BLOCKS)
     j = tl.arange(0, B)
     block_mask = k[:, None] < count[None, :]
@@ -67,14 +61,6 @@ def _part(columns_ptr, group, start, count, i, nnz, block_rows, first_block, BLO
     reach = (group % block_rows)[None, :] - column
     causal_keep = (j[None, None, :] - i[None, :, None]) <= (reach * B)[:, :, None]
     return offsets, block_mask[:, :, None], causal_keep
-
-
-@triton.jit
-def _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, first_block,
-          BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
-    """Offsets, mask and causal keep-mask of this program's [BLOCKS, ROWS, B] slab, from block first_block."""
-    group, start, count, i = _rows(rows_ptr, rows, ROWS, B)
-    return _part(columns_ptr, group, start, count, i, nnz, block_rows, first_block, BLOCKS, B)
 
 
 @triton.jit
@@ -93,139 +79,17 @@ def _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _part_scores(x_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, first_block,
-                 BLOCKS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
-    offsets, mask, causal_keep = _part(columns_ptr, group, start, count, i, nnz, block_rows, first_block, BLOCKS, B)
-    return offsets, mask, _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
-
-
-@triton.jit
-def _slab_max(x):
-    return tl.max(tl.max(x, axis=2), axis=0)
-
-
-@triton.jit
-def _slab_sum(x):
-    return tl.sum(tl.sum(x, axis=2), axis=0)
-
-
-@triton.jit
-def _fwd_parts(x_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, P0: tl.constexpr,
-               P1: tl.constexpr, P2: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
-    """The forward of rows held as a slab of P0 + P1 + P2 blocks, in parts of P0, P1 and P2 (0: none)."""
-    o0, m0, x0 = _part_scores(x_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 0, P0, B, CAUSAL)
-    row_max = _slab_max(x0)
-    if P1 > 0:
-        o1, m1, x1 = _part_scores(x_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, P0, P1, B,
-                                  CAUSAL)
-        row_max = tl.maximum(row_max, _slab_max(x1))
-    if P2 > 0:
-        o2, m2, x2 = _part_scores(x_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, P0 + P1, P2,
-                                  B, CAUSAL)
-        row_max = tl.maximum(row_max, _slab_max(x2))
-    shift = safe_shift(row_max)[None, :, None]
-    e0 = fast_exp(x0 - shift)
-    total = _slab_sum(e0)
-    if P1 > 0:
-        e1 = fast_exp(x1 - shift)
-        total += _slab_sum(e1)
-    if P2 > 0:
-        e2 = fast_exp(x2 - shift)
-        total += _slab_sum(e2)
-    inverse = tl.where(total > 0.0, 1.0 / total, 0.0)[None, :, None]
-    tl.store(out_ptr + o0, (e0 * inverse).to(out_ptr.dtype.element_ty), mask=m0)
-    if P1 > 0:
-        tl.store(out_ptr + o1, (e1 * inverse).to(out_ptr.dtype.element_ty), mask=m1)
-    if P2 > 0:
-        tl.store(out_ptr + o2, (e2 * inverse).to(out_ptr.dtype.element_ty), mask=m2)
-
-
-@triton.jit
-def _bwd_part(y_ptr, dy_ptr, columns_ptr, group, start, count, i, nnz, block_rows, first_block,
-              BLOCKS: tl.constexpr, B: tl.constexpr):
-    offsets, mask, _ = _part(columns_ptr, group, start, count, i, nnz, block_rows, first_block, BLOCKS, B)
-    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return offsets, mask, y, dy
-
-
-@triton.jit
-def _bwd_parts(y_ptr, dy_ptr, dx_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, P0: tl.constexpr,
-               P1: tl.constexpr, P2: tl.constexpr, B: tl.constexpr):
-    """The backward of rows held as a slab of P0 + P1 + P2 blocks, in parts of P0, P1 and P2 (0: none)."""
-    o0, m0, y0, dy0 = _bwd_part(y_ptr, dy_ptr, columns_ptr, group, start, count, i, nnz, block_rows, 0, P0, B)
-    dot = _slab_sum(y0 * dy0)
-    if P1 > 0:
-        o1, m1, y1, dy1 = _bwd_part(y_ptr, dy_ptr, columns_ptr, group, start, count, i, nnz, block_rows, P0, P1, B)
-        dot += _slab_sum(y1 * dy1)
-    if P2 > 0:
-        o2, m2, y2, dy2 = _bwd_part(y_ptr, dy_ptr, columns_ptr, group, start, count, i, nnz, block_rows, P0 + P1,
-                                    P2, B)
-        dot += _slab_sum(y2 * dy2)
-    dot = dot[None, :, None]
-    tl.store(dx_ptr + o0, (scale * y0 * (dy0 - dot)).to(dx_ptr.dtype.element_ty), mask=m0)
-    if P1 > 0:
-        tl.store(dx_ptr + o1, (scale * y1 * (dy1 - dot)).to(dx_ptr.dtype.element_ty), mask=m1)
-    if P2 > 0:
-        tl.store(dx_ptr + o2, (scale * y2 * (dy2 - dot)).to(dx_ptr.dtype.element_ty), mask=m2)
-
-
-@triton.jit
-def _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, P0: tl.constexpr,
-           P1: tl.constexpr, P2: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, BACKWARD: tl.constexpr):
-    if BACKWARD:
-        _bwd_parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, P0, P1, P2, B)
-    else:
-        _fwd_parts(a_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, P0, P1, P2, B,
-                   CAUSAL)
-
-
-@triton.jit
-def _tile(a_ptr, b_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale, BLOCKS: tl.constexpr,
-          ROWS: tl.constexpr, B: tl.constexpr, STEPS: tl.constexpr, CAUSAL: tl.constexpr, BACKWARD: tl.constexpr):
-    """A tile program: its rows held as the fewest whole STEPS-ths of BLOCKS that hold its longest row."""
-    group, start, count, i = _rows(rows_ptr, rows, ROWS, B)
-    if STEPS == 1 or BLOCKS < STEPS:
-        _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, BLOCKS, 0, 0, B,
-               CAUSAL, BACKWARD)
-    else:
-        G: tl.constexpr = BLOCKS // STEPS
-        steps = tl.cdiv(tl.max(count, axis=0), G)
-        if steps <= 1:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, G, 0, 0, B,
-                   CAUSAL, BACKWARD)
-        elif steps <= 2:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 2 * G, 0, 0,
-                   B, CAUSAL, BACKWARD)
-        elif steps <= 3:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 2 * G, G, 0,
-                   B, CAUSAL, BACKWARD)
-        elif STEPS == 4:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 4 * G, 0, 0,
-                   B, CAUSAL, BACKWARD)
-        elif steps <= 4:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 4 * G, 0, 0,
-                   B, CAUSAL, BACKWARD)
-        elif steps <= 5:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 4 * G, G, 0,
-                   B, CAUSAL, BACKWARD)
-        elif steps <= 6:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 4 * G, 2 * G,
-                   0, B, CAUSAL, BACKWARD)
-        elif steps <= 7:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 4 * G, 2 * G,
-                   G, B, CAUSAL, BACKWARD)
-        else:
-            _parts(a_ptr, b_ptr, out_ptr, columns_ptr, group, start, count, i, nnz, block_rows, scale, 8 * G, 0, 0,
-                   B, CAUSAL, BACKWARD)
-
-
-@triton.jit
 def _fwd_tile_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale,
-                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, STEPS: tl.constexpr,
-                     CAUSAL: tl.constexpr):
-    _tile(x_ptr, x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale, BLOCKS, ROWS, B, STEPS,
-          CAUSAL, BACKWARD=False)
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
+    offsets, mask, causal_keep = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, 0, BLOCKS, ROWS, B)
+    x = _scores(x_ptr, offsets, mask, causal_keep, scale, CAUSAL)
+    row_max = tl.max(tl.max(x, axis=2), axis=0)
+    safe_max = safe_shift(row_max)
+    e = fast_exp(x - safe_max[None, :, None])
+    total = tl.sum(tl.sum(e, axis=2), axis=0)
+    inverse = tl.where(total > 0.0, 1.0 / total, 0.0)
+    y = e * inverse[None, :, None]
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -252,9 +116,13 @@ def _fwd_loop_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, rows, nnz, block_row
 
 @triton.jit
 def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale,
-                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, STEPS: tl.constexpr):
-    _tile(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, block_rows, scale, BLOCKS, ROWS, B, STEPS,
-          CAUSAL=False, BACKWARD=True)
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+    offsets, mask, _ = _slab(rows_ptr, columns_ptr, rows, nnz, block_rows, 0, BLOCKS, ROWS, B)
+    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    dot = tl.sum(tl.sum(y * dy, axis=2), axis=0)
+    dx = scale * y * (dy - dot[None, :, None])
+    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -284,36 +152,25 @@ def _plan(blocks, block):
     return False, max(1, TILE_ELEMENTS // (rows * block)), rows
 
 
-def _held(count, blocks, steps):
-    """Blocks a tile program of a launch of `blocks` holds for a row of `count` blocks (_tile)."""
-    if steps == 1 or blocks < steps:
-        return blocks
-    grain = blocks // steps
-    return max(1, -(-count // grain)) * grain
-
-
-def _padded(counts, block, steps):
+def _padded(counts, block):
     """Slab elements read (per B x B) for block-rows of these block counts, all with one plan: the
     loop path pads each row to a multiple of its slab and reads it twice."""
     tile, blocks, _ = _plan(next_power_of_2(max(counts)), block)
-    if tile:
-        return sum(_held(count, blocks, steps) for count in counts)
-    return 2 * sum(blocks * -(-count // blocks) for count in counts)
+    return blocks * len(counts) if tile else 2 * sum(blocks * -(-count // blocks) for count in counts)
 
 
-# (id(lut), save, steps) -> [(block-row table, block-rows, plan), ...]; an entry leaves with its look-up table.
+# (id(lut), save) -> [(block-row table, block-rows, plan), ...]; an entry leaves with its look-up table.
 _schedules = {}
 
 
-def _schedule(lut, save, steps):
+def _schedule(lut, save):
     """The launches for this look-up table: (its block-rows' table on the device, block-rows, plan) each.
 
     The table holds (block-row, first block, blocks) per block-row, read in one round trip by each
     program. The non-empty block-rows, in memory order (DRAM pages in sequence), go in one launch, or in
     one launch per power of two of their block count (all rows past the tile path's reach in one loop
-    launch) when that pads the slabs by the share `save` less (BUCKETS_SAVE), tile programs holding
-    whole `steps`-ths of their slab (SLAB_STEPS)."""
-    key = (id(lut), save, steps)
+    launch) when that pads the slabs by the share `save` less (BUCKETS_SAVE)."""
+    key = (id(lut), save)
     if key in _schedules:
         return _schedules[key]
     offsets = lut.offsets.tolist()
@@ -323,8 +180,8 @@ def _schedule(lut, save, steps):
     for group in order:
         tile, blocks, _ = _plan(next_power_of_2(counts[group]), lut.block)
         buckets.setdefault(blocks if tile else 0, []).append(group)
-    single = _padded([counts[g] for g in order], lut.block, steps) if order else 0
-    split = sum(_padded([counts[g] for g in groups], lut.block, steps) for groups in buckets.values())
+    single = _padded([counts[g] for g in order], lut.block) if order else 0
+    split = sum(_padded([counts[g] for g in groups], lut.block) for groups in buckets.values())
     if split > (1 - save) * single:
         buckets = {None: order} if order else {}
     launches = []
@@ -343,12 +200,12 @@ def _launch(kernels, lut, tensors, scale, direction, **constexprs):
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):  # the grid's second axis holds Z
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
-            for table, groups, (tile, blocks, rows) in _schedule(lut, save, SLAB_STEPS):
-                kernel, steps = (kernels[0], {"STEPS": SLAB_STEPS}) if tile else (kernels[1], {})
+            for table, groups, (tile, blocks, rows) in _schedule(lut, save):
+                kernel = kernels[0] if tile else kernels[1]
                 grid = (triton.cdiv(groups * lut.block, rows), part[0].shape[0])
                 kernel[grid](*part, table, lut.columns, groups * lut.block, lut.nnz, lut.block_rows,
                              float(scale), BLOCKS=blocks, ROWS=rows, B=lut.block,
-                             num_warps=warps_for(blocks * rows * lut.block), **steps, **constexprs)
+                             num_warps=warps_for(blocks * rows * lut.block), **constexprs)
 
 
 def forward(x, out, lut, scale, is_causal):

@@ -85,11 +85,10 @@ def configurations():
             warps = blocksparse.warps_for(slab * rows * block)
             found.append((f"blocksparse-fwd-b{block}x{blocks}-{dtype}", blocksparse._fwd_tile_kernel,
                           {"x_ptr": ptr, "out_ptr": ptr, **table},
-                          {"BLOCKS": slab, "ROWS": rows, "B": block, "STEPS": blocksparse.SLAB_STEPS, "CAUSAL": False},
-                          warps))
+                          {"BLOCKS": slab, "ROWS": rows, "B": block, "CAUSAL": False}, warps))
             found.append((f"blocksparse-bwd-b{block}x{blocks}-{dtype}", blocksparse._bwd_tile_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **table},
-                          {"BLOCKS": slab, "ROWS": rows, "B": block, "STEPS": blocksparse.SLAB_STEPS}, warps))
+                          {"BLOCKS": slab, "ROWS": rows, "B": block}, warps))
     return found
 
 
