@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import fast_exp, fast_exp2, next_power_of_2, on_device, online_max, safe_shift, warps_for
+from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -28,13 +28,6 @@ LOOP_ROWS = 16
 # 25 % layouts, 0.70 -> 0.77 at 50 %; float32 0.01-0.04 slower.
 BUCKETS_SAVE = {"forward": {4: 0.3, 2: 0.1}, "backward": {4: 0.3, 2: 0.3}}
 MAX_GRID_Z = 65535  # a CUDA grid's second axis
-LOG2E = 1.4426950408889634
-# Whether a direction's rows are streamed (by element size): each program takes STREAM_ROWS rows of one block-row
-# and walks its blocks twice, STREAM_ELEMENTS elements a step, contiguous runs of STREAM_ROWS * B elements: no
-# padding to a power of two of blocks, no per-row look-ups; the second walk reads mostly from L2.
-STREAM = {"forward": {4: True, 2: True}, "backward": {4: True, 2: True}}
-STREAM_ELEMENTS = 2048
-STREAM_WARPS = 4
 
 
 @triton.jit
@@ -150,102 +143,6 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, bl
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _stream_start(rows_ptr, nnz, R: tl.constexpr, B: tl.constexpr):
-    """This program's rows: block-row, its first block, its block count, its first row in the block, and the
-    element offset of that row in the block-row's first block."""
-    parts: tl.constexpr = B // R
-    entry = rows_ptr + (tl.program_id(0) // parts) * 3
-    group = tl.load(entry)
-    start = tl.load(entry + 1)
-    count = tl.load(entry + 2)
-    first_row = (tl.program_id(0) % parts) * R
-    z = tl.program_id(1).to(tl.int64)
-    return group, start, count, first_row, (z * nnz + start) * (B * B) + first_row * B
-
-
-@triton.jit
-def _stream_layout(P: tl.constexpr, R: tl.constexpr, B: tl.constexpr, VEC: tl.constexpr):
-    """[P, R, B // VEC, VEC]: block, row, vector and element of a step; and the elements' offsets in the step."""
-    k = tl.arange(0, P)[:, None, None, None]
-    i = tl.arange(0, R)[None, :, None, None]
-    column = (tl.arange(0, B // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :])[None, None, :, :]
-    return k, i, column, k * (B * B) + i * B + column
-
-
-@triton.jit
-def _stream_scores(x_ptr, columns_ptr, first, start, count, group, first_row, block_rows, step, k, i, column,
-                   within, log2_scale, B: tl.constexpr, CAUSAL: tl.constexpr, EVICT: tl.constexpr):
-    """scale * x / ln(2) of blocks step.. (a step), -inf where masked."""
-    mask = step + k < count
-    x = tl.load(x_ptr + first + step * (B * B) + within, mask=mask, other=-float("inf"),
-                eviction_policy=EVICT).to(tl.float32) * log2_scale
-    if CAUSAL:
-        block_column = tl.load(columns_ptr + start + step + k, mask=mask, other=0)
-        keep = column - (first_row + i) <= ((group % block_rows) - block_column) * B
-        x = tl.where(keep, x, -float("inf"))
-    return tl.where(mask, x, -float("inf"))
-
-
-@triton.jit
-def _fwd_stream_kernel(x_ptr, out_ptr, rows_ptr, columns_ptr, nnz, block_rows, log2_scale, P: tl.constexpr,
-                       R: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
-    """Rows first_row..first_row + R of one block-row: running (max, sum) per vector slot of a step over the
-    blocks, folded per row once, then the output from a second walk. Works in base 2 (scores / ln 2)."""
-    VEC: tl.constexpr = min(B, 128 // x_ptr.dtype.element_ty.primitive_bitwidth)
-    group, start, count, first_row, first = _stream_start(rows_ptr, nnz, R, B)
-    k, i, column, within = _stream_layout(P, R, B, VEC)
-    lane_max = tl.full((P, R, B // VEC), -float("inf"), tl.float32)
-    lane_sum = tl.zeros((P, R, B // VEC), tl.float32)
-    for step in range(0, count, P):
-        x = _stream_scores(x_ptr, columns_ptr, first, start, count, group, first_row, block_rows, step, k, i,
-                           column, within, log2_scale, B, CAUSAL, "evict_last")
-        new_max = tl.maximum(lane_max, tl.max(x, axis=3))
-        shift = safe_shift(new_max)
-        lane_sum = lane_sum * fast_exp2(lane_max - shift) + tl.sum(fast_exp2(x - shift[:, :, :, None]), axis=3)
-        lane_max = new_max
-    row_max = tl.max(tl.max(lane_max, axis=2), axis=0)
-    shift = safe_shift(row_max)[None, :, None]
-    total = tl.sum(tl.sum(lane_sum * fast_exp2(lane_max - shift), axis=2), axis=0)
-    inverse = tl.where(total > 0.0, 1.0 / total, 0.0)[None, :, None, None]
-    shift = shift[:, :, :, None]
-    for step in range(0, count, P):
-        x = _stream_scores(x_ptr, columns_ptr, first, start, count, group, first_row, block_rows, step, k, i,
-                           column, within, log2_scale, B, CAUSAL, "evict_first")
-        tl.store(out_ptr + first + step * (B * B) + within, (fast_exp2(x - shift) * inverse).to(out_ptr.dtype.element_ty),
-                 mask=step + k < count)
-
-
-@triton.jit
-def _bwd_stream_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, nnz, scale, P: tl.constexpr, R: tl.constexpr,
-                       B: tl.constexpr):
-    """Rows first_row..first_row + R of one block-row: sum(y * dy) per element slot of a step over the blocks,
-    folded per row once, then dx from a second walk."""
-    VEC: tl.constexpr = min(B, 128 // y_ptr.dtype.element_ty.primitive_bitwidth)
-    _, _, count, _, first = _stream_start(rows_ptr, nnz, R, B)
-    k, _, _, within = _stream_layout(P, R, B, VEC)
-    acc = tl.zeros((P, R, B // VEC, VEC), tl.float32)
-    for step in range(0, count, P):
-        mask = step + k < count
-        offsets = first + step * (B * B) + within
-        y = tl.load(y_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        acc += y * dy
-    dot = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)[None, :, None, None]
-    for step in range(0, count, P):
-        mask = step + k < count
-        offsets = first + step * (B * B) + within
-        y = tl.load(y_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        tl.store(dx_ptr + offsets, (scale * y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _stream_shape(block):
-    """(blocks per step, rows per program) of the streaming kernels."""
-    rows = min(block, max(1, STREAM_ELEMENTS // block))
-    return max(1, STREAM_ELEMENTS // (rows * block)), rows
-
-
 def _plan(blocks, block):
     """(tile?, blocks per slab, rows per program) for block-rows of up to `blocks` (a power of 2) blocks."""
     widest = blocks * block
@@ -298,46 +195,28 @@ def _schedule(lut, save):
     return launches
 
 
-def _launch(direction, lut, tensors, scale, causal=False):
-    forward = direction == "forward"
-    stream = STREAM[direction][tensors[0].element_size()]
-    # streamed rows pad at most one step: all in one launch
-    save = 1.0 if stream else BUCKETS_SAVE[direction][tensors[0].element_size()]
+def _launch(kernels, lut, tensors, scale, direction, **constexprs):
+    save = BUCKETS_SAVE[direction][tensors[0].element_size()]
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):  # the grid's second axis holds Z
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
-            batch = part[0].shape[0]
             for table, groups, (tile, blocks, rows) in _schedule(lut, save):
-                if stream:
-                    step, rows = _stream_shape(lut.block)
-                    grid = (groups * (lut.block // rows), batch)
-                    if forward:
-                        _fwd_stream_kernel[grid](*part, table, lut.columns, lut.nnz, lut.block_rows,
-                                                 float(scale) * LOG2E, P=step, R=rows, B=lut.block, CAUSAL=causal,
-                                                 num_warps=STREAM_WARPS)
-                    else:
-                        _bwd_stream_kernel[grid](*part, table, lut.nnz, float(scale), P=step, R=rows, B=lut.block,
-                                                 num_warps=STREAM_WARPS)
-                    continue
-                if forward:
-                    kernel, extra = (_fwd_tile_kernel if tile else _fwd_loop_kernel), {"CAUSAL": causal}
-                else:
-                    kernel, extra = (_bwd_tile_kernel if tile else _bwd_loop_kernel), {}
-                grid = (triton.cdiv(groups * lut.block, rows), batch)
+                kernel = kernels[0] if tile else kernels[1]
+                grid = (triton.cdiv(groups * lut.block, rows), part[0].shape[0])
                 kernel[grid](*part, table, lut.columns, groups * lut.block, lut.nnz, lut.block_rows,
                              float(scale), BLOCKS=blocks, ROWS=rows, B=lut.block,
-                             num_warps=warps_for(blocks * rows * lut.block), **extra)
+                             num_warps=warps_for(blocks * rows * lut.block), **constexprs)
 
 
 def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     if x.numel() == 0 or lut.max_blocks == 0:
         return
-    _launch("forward", lut, (x, out), scale, bool(is_causal))
+    _launch((_fwd_tile_kernel, _fwd_loop_kernel), lut, (x, out), scale, "forward", CAUSAL=bool(is_causal))
 
 
 def backward(y, dy, dx, lut, scale):
     """dx = scale * y * (dy - sum_row(y * dy))."""
     if y.numel() == 0 or lut.max_blocks == 0:
         return
-    _launch("backward", lut, (y, dy, dx), scale)
+    _launch((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale, "backward")

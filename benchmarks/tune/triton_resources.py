@@ -89,15 +89,6 @@ def configurations():
             found.append((f"blocksparse-bwd-b{block}x{blocks}-{dtype}", blocksparse._bwd_tile_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **table},
                           {"BLOCKS": slab, "ROWS": rows, "B": block}, warps))
-            step, rows = blocksparse._stream_shape(block)
-            shape = {"P": step, "R": rows, "B": block}
-            found.append((f"blocksparse-fwd-stream-b{block}-{dtype}", blocksparse._fwd_stream_kernel,
-                          {"x_ptr": ptr, "out_ptr": ptr, "rows_ptr": "*i32", "columns_ptr": "*i32", "nnz": "i32",
-                           "block_rows": "i32", "log2_scale": "fp32"}, {**shape, "CAUSAL": False},
-                          blocksparse.STREAM_WARPS))
-            found.append((f"blocksparse-bwd-stream-b{block}-{dtype}", blocksparse._bwd_stream_kernel,
-                          {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "rows_ptr": "*i32", "nnz": "i32",
-                           "scale": "fp32"}, shape, blocksparse.STREAM_WARPS))
     return found
 
 
