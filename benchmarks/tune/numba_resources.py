@@ -59,10 +59,10 @@ def configurations():
         packed = held == 2
         for cache in softmax.CACHE[held]:
             build = softmax._forward_packed if packed else softmax._forward_cached
-            found.append((f"fwd-cached-{name}-{cache}", build(fmt, width, False, cache), (arr, arr), MAX_THREADS))
+            found.append((f"fwd-cached-{name}-{cache}", build(fmt, width, False, cache, 0), (arr, arr), MAX_THREADS))
         for cache in softmax.CACHE_BWD[held]:
             build = softmax._backward_packed if packed else softmax._backward_cached
-            found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache), (arr, arr, arr),
+            found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache, 0), (arr, arr, arr),
                           MAX_THREADS))
         cache = softmax.SPLIT_CACHE[held]
         kernel = (softmax._forward_split_packed(fmt, width, False, cache) if packed else
@@ -72,6 +72,31 @@ def configurations():
         for threads, cache in softmax.SPLIT_BWD[held]:
             found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, 1)),
                           (arr, arr, arr, *stats), threads))
+    found += blocksparse_configurations()
+    return found
+
+
+def blocksparse_configurations():
+    """The block-sparse kernels at the launch shape of the bench layouts (rows of at most 2048 elements)."""
+    from numba import types
+
+    from multisoft_numba import blocksparse
+    from multisoft_numba._device import BF16, FP32
+
+    words = {FP32: types.Array(types.float32, 1, "C"), BF16: types.Array(types.int32, 1, "C")}
+    table = types.Array(types.int32, 1, "C")
+    sizes = (types.int64,) * 4
+    found = []
+    for fmt, name, width in ((FP32, "fp32", 4), (BF16, "bf16", 8)):
+        arr = words[fmt]
+        lanes, warps, _, forward, backward = blocksparse._launch_shape(1 << 20, 2048, width)
+        for causal in (False, True):
+            found.append((f"bs-fwd-{name}{'-causal' if causal else ''}-{forward}",
+                          blocksparse._forward_kernel(fmt, width, causal, forward, lanes, warps),
+                          (arr, arr, table, table, *sizes, types.int64, types.int64, types.float32),
+                          lanes * warps))
+        found.append((f"bs-bwd-{name}-{backward}", blocksparse._backward_kernel(fmt, width, backward, lanes, warps),
+                      (arr, arr, arr, table, *sizes, types.int64, types.float32), lanes * warps))
     return found
 
 
