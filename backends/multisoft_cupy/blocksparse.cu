@@ -6,8 +6,6 @@
 // vectors per block row) at column (v % VPB) * VEC. Lane `lane` owns vectors
 // t * TPR * VPT + k * TPR + lane of tile t. A row of one tile is read once and
 // written from registers; a longer row reads its tiles again (last one excepted).
-// The vectors k of a tile that lie past the row's end for every lane of the warp are skipped
-// (a branch the warp takes as one), not computed on as padding.
 #include "common.cuh"
 
 template <typename T>
@@ -92,13 +90,10 @@ MS_ROW_KERNEL(TPR * ROWS) bs_fwd(const T* x, T* out, const int* offsets, const i
         const BsRow row = bs_row<V::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b);
         const i64 ntiles = (row.nvec + TILE - 1) / TILE;
         float v[VPT][VEC];
-        // vector k of tile t holds row elements for some lane of the warp
-        auto live = [&](i64 t, int k) { return t * TILE + (i64)k * TPR < row.nvec; };
         // scale * x, or -inf where masked (causal, or past the row's end)
         auto scores = [&](i64 t) {
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
-                if (!live(t, k)) break;
                 const i64 index = t * TILE + k * TPR + lane;
                 int keep = -1;  // elements 0 .. keep of the vector are unmasked
                 if (index < row.nvec) {
@@ -120,22 +115,18 @@ MS_ROW_KERNEL(TPR * ROWS) bs_fwd(const T* x, T* out, const int* offsets, const i
             scores(t);
             float tile_max = -MS_INF;
 #pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                if (!live(t, k)) break;
+            for (int k = 0; k < VPT; ++k)
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) tile_max = fmaxf(tile_max, v[k][e]);
-            }
             st = stats_shift(st, tile_max);
             float acc = 0.f;
 #pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                if (!live(t, k)) break;
+            for (int k = 0; k < VPT; ++k)
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
                     v[k][e] = st.m == -MS_INF ? 0.f : exp_diff(v[k][e], st.m);
                     acc += v[k][e];
                 }
-            }
             st.s += acc;
         }
         const Stats all = row_reduce<TPR, 1>(st);
@@ -173,11 +164,9 @@ MS_ROW_KERNEL(TPR * ROWS) bs_bwd(const T* y, const T* dy, T* dx, const int* offs
         const BsRow row = bs_row<V::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b);
         const i64 ntiles = (row.nvec + TILE - 1) / TILE;
         float vy[VPT][VEC], vd[VPT][VEC];
-        auto live = [&](i64 t, int k) { return t * TILE + (i64)k * TPR < row.nvec; };
         auto load = [&](i64 t) {
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
-                if (!live(t, k)) break;
                 const i64 index = t * TILE + k * TPR + lane;
                 if (index < row.nvec) {
                     V::load(y + row.offset(index, V::LOG2VEC), vec, vy[k]);
@@ -193,11 +182,9 @@ MS_ROW_KERNEL(TPR * ROWS) bs_bwd(const T* y, const T* dy, T* dx, const int* offs
             load(t);
             float acc = 0.f;
 #pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                if (!live(t, k)) break;
+            for (int k = 0; k < VPT; ++k)
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) acc += vy[k][e] * vd[k][e];
-            }
             st.a += acc;
         }
         const float dot = row_reduce<TPR, 1>(st).a;

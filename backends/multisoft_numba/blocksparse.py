@@ -10,8 +10,7 @@ integers. Vector v of a row lies in block v // V at vector v % V of its row (V
 vectors per block row); lane `lane` holds the vectors t * TILE + k * 32 + lane
 (k < vectors per lane) of tile t, so each load of the warp reads consecutive
 vectors. A row of one tile is read once and written from registers; a longer row
-reads its tiles again (the last one excepted). Values of vectors that lie past the row's end
-for every lane of the warp are not computed on (_past_row).
+reads its tiles again (the last one excepted).
 
 Causal masking tests elements only in the one vector that the limit may cut: the
 blocks of a block-row are in column order, so the unmasked elements of row i of
@@ -79,12 +78,6 @@ def _causal_limit(columns, first, blocks, block_row, i, log2b):
 
 
 @device_function
-def _past_row(t, k, tile, lanes, width, n_vectors):
-    """Whether value k of every lane's part of tile t lies past the row's n_vectors vectors."""
-    return t * tile + (k // width) * lanes >= n_vectors
-
-
-@device_function
 def _vector_at(base, v, log2b, log2v):
     """Index of vector v of the row whose first block's row starts at vector `base`."""
     return uint64(base + ((v >> log2v) << (log2b + log2v)) + (v & ((int64(1) << log2v) - 1)))
@@ -143,16 +136,12 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
                 top = NEG_INF
                 for k in range(floats):
-                    if _past_row(t, k, tile, lanes, width, n_vectors):
-                        break
                     top = nan_max(top, vals[k])
                 if top > m or top != top:
                     s *= expf(m - top)
                     m = top
                 acc = float32(0.0)
                 for k in range(floats):
-                    if _past_row(t, k, tile, lanes, width, n_vectors):
-                        break
                     e = float32(0.0) if m == NEG_INF else expf(vals[k] - m)
                     vals[k] = e
                     acc += e
@@ -164,8 +153,6 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
             # pass 2: the last tile from registers, the others read again, zeros past the limit
             if tiles > 0:
                 for k in range(floats):
-                    if _past_row(tiles - 1, k, tile, lanes, width, n_vectors):
-                        break
                     vals[k] *= factor
                 store_tile(out, vals, base, tiles - 1, lane, n_vectors, log2b, log2v)
             for t in range((n_vectors + tile - 1) // tile):
@@ -174,8 +161,6 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 if t < tiles - 1 and not empty:
                     load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
                     for k in range(floats):
-                        if _past_row(t, k, tile, lanes, width, n_vectors):
-                            break
                         vals[k] = expf(vals[k] - row_m) * inv_s
                 else:
                     for k in range(floats):
@@ -212,8 +197,6 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
     def store_tile(dx, ys, gs, base, t, lane, n_vectors, log2b, log2v, dot, scale):
         """dx = scale * y * (dy - dot) over tile t (computed in gs)."""
         for k in range(floats):
-            if _past_row(t, k, tile, lanes, width, n_vectors):
-                break
             gs[k] = scale * ys[k] * (gs[k] - dot)
         for k in range(vectors):
             v = t * tile + k * lanes + lane
@@ -236,8 +219,6 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
                 load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
                 acc = float32(0.0)
                 for k in range(floats):
-                    if _past_row(t, k, tile, lanes, width, n_vectors):
-                        break
                     acc += ys[k] * gs[k]
                 dot, lost = kahan_add(dot, lost, acc)
             dot = lanes_sum(dot - lost)
