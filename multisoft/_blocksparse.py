@@ -37,6 +37,11 @@ class BlockSparseLUT:
     columns: torch.Tensor
     rows: torch.Tensor
 
+    @property
+    def mean_blocks(self) -> float:
+        """Blocks per block-row on average: how long the rows mostly are (``max_blocks``: the longest)."""
+        return self.nnz / max(1, self.heads * self.block_rows)
+
 
 
 # id(layout) -> (weak reference to layout, {(version, block, device): lut}); entries leave with their layout.

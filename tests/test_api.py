@@ -263,6 +263,7 @@ def test_lookup_table_is_cached_and_follows_layout_changes():
     first = multisoft._blocksparse.lookup_table(layout, 16)
     assert multisoft._blocksparse.lookup_table(layout, 16) is first
     assert first.offsets.tolist() == [0, 2, 3] and first.columns.tolist() == [0, 1, 1] and first.max_blocks == 2
+    assert first.mean_blocks == 1.5  # 3 blocks over 2 block-rows
     layout[0, 1, 0] = 1
     second = multisoft._blocksparse.lookup_table(layout, 16)
     assert second.nnz == 4 and second.offsets.tolist() == [0, 2, 4]

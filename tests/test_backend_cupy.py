@@ -532,8 +532,8 @@ def test_second_device():
 def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
     """Rows longer than one tile (read twice), and element-wise loads when the blocks are not 16-byte aligned."""
     _, _, blocksparse = _kernels()
-    monkeypatch.setattr(blocksparse, "FORWARD_FLOATS", 1)
-    monkeypatch.setattr(blocksparse, "BACKWARD_FLOATS", 1)
+    monkeypatch.setattr(blocksparse, "FORWARD_FLOATS", {4: (1,), 2: (1,)})
+    monkeypatch.setattr(blocksparse, "BACKWARD_FLOATS", {4: (1,), 2: (1,)})
     g = torch.Generator().manual_seed(3)
     layout = random_layout(2, 6, 48, g)
     layout[1, 5, 7] = 1
@@ -557,6 +557,17 @@ def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
 
 
 # ---- measured exceptions (SOFTMAX_RULES, CE_FWD_RULES) and register-capped configurations ----
+
+def test_blocksparse_values_per_thread_follow_the_mean_row():
+    """The first choice whose warp tile holds the layout's mean row: float32 backward rows of 1040 elements on
+    average take 64 values per thread (32 hold 1024), rows of 467 take 32; a single choice is always taken.
+    (blocksparse.BACKWARD_FLOATS holds these choices for float32; its module needs cupy.)"""
+    assert _catalog.blocksparse_floats((32, 64), 1040.0) == 64
+    assert _catalog.blocksparse_floats((32, 64), 467.0) == 32
+    assert _catalog.blocksparse_floats((32, 64), 1 << 20) == 64
+    assert _catalog.blocksparse_floats((32,), 1 << 20) == 32
+    assert _catalog.blocksparse_config(1280, 4, 64).vpt == 16 and _catalog.blocksparse_config(1280, 4, 32).vpt == 8
+
 
 def test_rules_pick_their_config_only_in_range(monkeypatch):
     capped = _catalog.RowConfig(32, 4, 4, 1, 8)

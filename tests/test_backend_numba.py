@@ -335,6 +335,17 @@ def test_packed_16bit_rows_on_every_path_and_cache(dtype):
     assert checked >= 30
 
 
+def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
+    """On a GPU, the first choice whose tile (32 lanes) holds the layout's mean row: float32 backward rows of 1040
+    elements on average take 32 values per lane (16 hold 512), rows of 467 take 16; bf16 and the forward 16."""
+    from multisoft_numba import blocksparse
+
+    monkeypatch.setattr(blocksparse, "SIMULATOR", False)
+    assert blocksparse._launch_shape(4096, 1040.0, 4, 4)[3:] == (16, 32)
+    assert blocksparse._launch_shape(4096, 467.0, 4, 4)[3:] == (16, 16)
+    assert blocksparse._launch_shape(4096, 1040.0, 8, 2)[3:] == (16, 16)
+
+
 @needs_backend
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "bfloat16-unaligned"],
@@ -344,7 +355,7 @@ def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
     from multisoft._blocksparse import lookup_table
     from multisoft_numba import blocksparse
     for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
-                        ("FORWARD_FLOATS", (2,)), ("BACKWARD_FLOATS", (2,))):
+                        ("FORWARD_FLOATS", {4: (2,), 2: (2,)}), ("BACKWARD_FLOATS", {4: (2,), 2: (2,)})):
         monkeypatch.setattr(blocksparse, name, value)
     unaligned = dtype == "bfloat16-unaligned"
     dtype = torch.bfloat16 if unaligned else dtype

@@ -316,6 +316,12 @@ def ce_fwd_config(rows: int, classes: int, elem_size: int, cc: int, sm_count: in
     return CE_FWD_CONFIGS[2] if rows >= sm_count // 2 else CE_FWD_CONFIGS[3]
 
 
+def blocksparse_floats(choices: tuple, mean_row: float) -> int:
+    """Values per thread: the first of `choices` whose tile (a warp's share of a row) holds `mean_row` elements,
+    else the last."""
+    return next((floats for floats in choices if 32 * floats >= mean_row), choices[-1])
+
+
 def blocksparse_config(row_length: int, elem_size: int, floats_per_thread: int) -> RowConfig:
     """A warp per row: the smallest tile holding the row, at most `floats_per_thread` values per thread."""
     fitting = [c for c in BLOCKSPARSE_CONFIGS if c.vpt * (16 // elem_size) <= floats_per_thread]

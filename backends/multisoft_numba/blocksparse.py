@@ -26,11 +26,13 @@ from numba import cuda, float32, int64, uint64
 from ._device import NEG_INF, expf, kahan_add, lanes_online_merge, lanes_sum, nan_max, row_io
 from ._glue import SIMULATOR, device_function, launch, vector_views
 
-# Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and
-# dy, backward: the smallest choice whose tile holds the widest row, else the largest. Each is
-# rounded up to a whole number of vectors.
-FORWARD_FLOATS = (16,)   # H200: 1.3-1.9x faster than (16, 40, 64) on the bench layouts
-BACKWARD_FLOATS = (16,)  # H200: 32 and 48 need 150-216 registers; 16 was 1.3-2x faster on the bench layouts
+# Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and dy, backward, by
+# element size: the smallest choice whose tile holds the layout's mean row, else the largest. Each is rounded up
+# to a whole number of vectors. Measured on an H200: forward, 16 was 1.3-1.9x faster than (16, 40, 64) and
+# faster than 32 (tuning/blocksparse-floats-round2.txt); backward, (16, 32) took float32 from 0.70-0.74 of copy
+# to 0.90-0.96 on the 25 % layouts and lost in bf16 (32 and 48 need 150-216 registers there).
+FORWARD_FLOATS = {4: (16,), 2: (16,)}
+BACKWARD_FLOATS = {4: (16, 32), 2: (16,)}
 WARPS = 4              # rows (warps) per thread block on the GPU
 MAX_GRID = 1 << 20     # most thread blocks launched; more rows are walked grid-stride
 # The simulator runs a thread per lane and pays for every one and for every barrier: one
@@ -239,14 +241,15 @@ def _floats(choices, row: int, lanes: int, width: int) -> int:
     return next((floats for floats in rounded if floats * lanes >= row), rounded[-1])
 
 
-def _launch_shape(rows: int, row: int, width: int):
+def _launch_shape(rows: int, row: float, width: int, element_size: int):
     """(lanes per row, rows per thread block, thread blocks, values per lane forward, backward)
-    for `rows` rows of at most `row` elements read in vectors of `width`."""
+    for `rows` rows of `row` elements on average read in vectors of `width`."""
     if SIMULATOR:
         floats = _floats((SIMULATOR_FLOATS,), row, SIMULATOR_LANES, width)
         return SIMULATOR_LANES, 1, max(1, min(rows, SIMULATOR_GRID)), floats, floats
-    return (32, WARPS, max(1, min(-(-rows // WARPS), MAX_GRID)), _floats(FORWARD_FLOATS, row, 32, width),
-            _floats(BACKWARD_FLOATS, row, 32, width))
+    return (32, WARPS, max(1, min(-(-rows // WARPS), MAX_GRID)),
+            _floats(FORWARD_FLOATS[element_size], row, 32, width),
+            _floats(BACKWARD_FLOATS[element_size], row, 32, width))
 
 
 def _common(tensors, lut):
@@ -257,7 +260,7 @@ def _common(tensors, lut):
     rows = tensors[0].shape[0] * groups * lut.block
     log2b = lut.block.bit_length() - 1
     sizes = (rows, lut.nnz, groups, log2b, log2b - (width.bit_length() - 1))
-    shape = _launch_shape(rows, lut.max_blocks * lut.block, width)
+    shape = _launch_shape(rows, lut.mean_blocks * lut.block, width, tensors[0].element_size())
     return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
 

@@ -13,6 +13,6 @@ python3 benchmarks/tune/tune.py --backend cupy --ops blocksparse_softmax --dtype
   --cases "b16 25% Z1,b16 25% causal,b64 26% causal,b128 27%" --directions forward,backward \
   --csv "$OUT/blocksparse.csv" \
   --variant "base:" \
-  --variant "fwd64:import multisoft_cupy.blocksparse as b; b.FORWARD_FLOATS = 64" \
-  --variant "bwd64:import multisoft_cupy.blocksparse as b; b.BACKWARD_FLOATS = 64" \
+  --variant "fwd64:import multisoft_cupy.blocksparse as b; b.FORWARD_FLOATS = {4: (64,), 2: (64,)}" \
+  --variant "bwd64:import multisoft_cupy.blocksparse as b; b.BACKWARD_FLOATS = {4: (64,), 2: (64,)}" \
   || echo "cupy block-sparse tuning failed: rc=$?"

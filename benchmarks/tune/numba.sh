@@ -21,4 +21,4 @@ tune --ops softmax --dtypes fp32,bf16 --cases 32768x1024,16384x4096,4096x32768 -
 tune --ops cross_entropy --dtypes fp32,bf16 --directions forward,backward \
     --variant "ce8:$C; c.UNROLL = 8; c.BACKWARD_UNROLL = 8" --variant "ce32:$C; c.UNROLL = 32; c.BACKWARD_UNROLL = 32"
 tune --ops blocksparse_softmax --dtypes fp32,bf16 --cases "b16 25% Z1,b16 25% causal,b64 26% causal,b128 27%" \
-    --directions forward,backward --variant "fwd-wide:$B; b.FORWARD_FLOATS = (16, 40, 64)" --variant "warps8:$B; b.WARPS = 8"
+    --directions forward,backward --variant "fwd-wide:$B; b.FORWARD_FLOATS = {4: (16, 40, 64), 2: (16, 40, 64)}" --variant "warps8:$B; b.WARPS = 8"

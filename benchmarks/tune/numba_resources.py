@@ -77,7 +77,7 @@ def configurations():
 
 
 def blocksparse_configurations():
-    """The block-sparse kernels at the launch shape of the bench layouts (rows of at most 2048 elements)."""
+    """The block-sparse kernels at the launch shape of the bench layouts (rows of about 1024 elements)."""
     from numba import types
 
     from multisoft_numba import blocksparse
@@ -89,7 +89,7 @@ def blocksparse_configurations():
     found = []
     for fmt, name, width in ((FP32, "fp32", 4), (BF16, "bf16", 8)):
         arr = words[fmt]
-        lanes, warps, _, forward, backward = blocksparse._launch_shape(1 << 20, 2048, width)
+        lanes, warps, _, forward, backward = blocksparse._launch_shape(1 << 20, 1040, width, 16 // width)
         for causal in (False, True):
             found.append((f"bs-fwd-{name}{'-causal' if causal else ''}-{forward}",
                           blocksparse._forward_kernel(fmt, width, causal, forward, lanes, warps),
