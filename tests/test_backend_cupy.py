@@ -74,7 +74,8 @@ def make_lut(layout: torch.Tensor, block: int, device) -> SimpleNamespace:
     torch.cumsum(counts, 0, out=offsets[1:])
     return SimpleNamespace(
         block=block, heads=heads, block_rows=block_rows, block_cols=block_cols, nnz=nonzero.shape[0],
-        max_blocks=int(counts.max()), offsets=offsets.to(device, torch.int32),
+        max_blocks=int(counts.max()), mean_blocks=nonzero.shape[0] / (heads * block_rows),
+        offsets=offsets.to(device, torch.int32),
         columns=nonzero[:, 2].to(device, torch.int32),
         rows=(nonzero[:, 0] * block_rows + nonzero[:, 1]).to(device, torch.int32))
 
