@@ -122,12 +122,16 @@ def _compiled(rows_2d, flat_target, weight, weight_sum, ignore_index, label_smoo
 
 
 class _CrossEntropy(torch.autograd.Function):
+    """The backward writes the gradient into a new tensor, or with ``inplace`` into the logits' own buffer (the
+    backward kernels read each element before they write it)."""
+
     @staticmethod
     def forward(ctx, logits, target, weight, weight_sum, ignore_index, label_smoothing, backend, reduction,
-                out_dtype):
+                out_dtype, inplace):
         per_row, lse = _forward(logits, target, weight, ignore_index, label_smoothing, backend)
         loss, denominator = _reduce(per_row, reduction, out_dtype)
         ctx.args = (ignore_index, label_smoothing, backend)
+        ctx.inplace = inplace
         ctx.save_for_backward(logits, target, weight, weight_sum, lse, denominator)
         return loss
 
@@ -136,32 +140,8 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         logits, target, weight, weight_sum, lse, denominator = ctx.saved_tensors
         grad_logits = _backward(logits, target, weight, weight_sum, lse, _grad_per_row(grad, denominator),
-                                *ctx.args)
-        return grad_logits, None, None, None, None, None, None, None, None
-
-
-class _CrossEntropyInPlace(torch.autograd.Function):
-    """Writes the gradient for a gradient of 1 (for each row, or for the reduced loss) into the logits during
-    the forward; the backward only rescales it when the gradient it gets is not 1."""
-
-    @staticmethod
-    def forward(ctx, logits, target, weight, weight_sum, ignore_index, label_smoothing, backend, reduction,
-                out_dtype):
-        buffer = logits.detach()
-        per_row, lse = _forward(buffer, target, weight, ignore_index, label_smoothing, backend)
-        loss, denominator = _reduce(per_row, reduction, out_dtype)
-        _backward(buffer, target, weight, weight_sum, lse, _grad_per_row(lse.new_ones(()), denominator),
-                  ignore_index, label_smoothing, backend, grad_logits=buffer)
-        ctx.save_for_backward(buffer)
-        return loss
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        (buffer,) = ctx.saved_tensors
-        if not bool((grad == 1).all()):
-            buffer.mul_((grad.unsqueeze(1) if grad.ndim else grad).to(buffer.dtype))
-        return buffer, None, None, None, None, None, None, None, None
+                                *ctx.args, grad_logits=logits.detach() if ctx.inplace else None)
+        return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 def _check(logits, target, weight, ignore_index, reduction, label_smoothing):
@@ -198,9 +178,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
     matching shape. Only the per-row log-sum-exp is kept for the backward, so
     forward plus backward allocate nothing of the logits' size but the gradient.
 
-    ``inplace_backward=True`` computes the gradient during the forward and
-    writes it into ``logits`` itself (no gradient buffer at all): ``logits`` is
-    overwritten and must not be used afterwards. Eager mode only.
+    ``inplace_backward=True`` has the backward write the gradient into
+    ``logits`` itself (no gradient buffer at all): ``logits`` is overwritten by
+    the backward and must not be used after it (``logits.grad`` is that same
+    memory). Eager mode only.
     """
     classes, label_smoothing = _check(logits, target, weight, ignore_index, reduction, label_smoothing)
     _validate.boolean(inplace_backward, "inplace_backward")
@@ -223,10 +204,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
         loss = _empty_rows(rows_2d, flat_target, weight32, ignore_index, reduction, stats_dtype).to(out_dtype)
     elif torch.compiler.is_compiling():
         loss = _compiled(*args)
-    elif inplace_backward:
-        loss = _CrossEntropyInPlace.apply(*args)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
-        loss = _CrossEntropy.apply(*args)
+        loss = _CrossEntropy.apply(*args, inplace_backward)
     else:
         per_row, _ = _forward(rows_2d, flat_target, weight32, ignore_index, label_smoothing, backend)
         loss, _ = _reduce(per_row, reduction, out_dtype)

@@ -521,7 +521,7 @@ def _inplace_impl(name: str) -> Impl:
         target = inputs["target"]
         return lambda x: multisoft.cross_entropy(x, target, backend=name, inplace_backward=True)
     return Impl(f"{name} inplace", "backend", ("cross_entropy",), make, inplace_ops=("cross_entropy",),
-                inplace_note="inplace_backward computes the gradient in the forward")
+                inplace_note="inplace_backward's backward overwrites the logits")
 
 
 def _torch_peer() -> Impl:

@@ -166,10 +166,11 @@ def test_cross_entropy_inplace_backward(backend, dtype, reduction):
     buffer = logits.detach().clone().requires_grad_()
     loss = multisoft.cross_entropy(buffer, target, backend=backend, inplace_backward=True, **kwargs)
     assert_close(loss, expected, dtype, "loss")
+    assert torch.equal(buffer.detach(), logits.detach()), "the forward must leave the logits as they are"
     loss.sum().backward()
     assert_close(buffer.grad, expected_logits.grad, dtype, "gradient")
     assert buffer.grad.data_ptr() == buffer.data_ptr(), "the gradient must live in the logits buffer"
-    # a non-unit incoming gradient rescales the stored one
+    # a non-unit incoming gradient scales the gradient
     buffer = logits.detach().clone().requires_grad_()
     (3.0 * multisoft.cross_entropy(buffer, target, backend=backend, inplace_backward=True, **kwargs)).sum().backward()
     assert_close(buffer.grad, 3.0 * expected_logits.grad, dtype, "gradient x3")

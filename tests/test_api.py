@@ -226,6 +226,26 @@ def test_cross_entropy_matches_torch_loss_dtype_and_reductions():
         assert loss.dtype == expected.dtype and loss.shape == expected.shape
 
 
+def test_cross_entropy_inplace_backward_writes_only_in_the_backward():
+    """inplace_backward: the forward (with or without autograd) leaves the logits as they are; the backward
+    writes the gradient into them, scaled by the incoming gradient, with no host synchronisation to check it."""
+    logits = torch.randn(6, 9, dtype=torch.float64)
+    target = torch.randint(0, 9, (6,))
+    buffer = logits.clone()
+    with torch.no_grad():
+        loss = multisoft.cross_entropy(buffer, target, backend="torch", inplace_backward=True)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target))
+    assert torch.equal(buffer, logits)
+    buffer.requires_grad_()
+    expected_logits = logits.clone().requires_grad_()
+    (2.5 * F.cross_entropy(expected_logits, target, reduction="sum")).backward()
+    loss = multisoft.cross_entropy(buffer, target, reduction="sum", backend="torch", inplace_backward=True)
+    assert torch.equal(buffer.detach(), logits)
+    (2.5 * loss).backward()
+    torch.testing.assert_close(buffer.grad, expected_logits.grad)
+    assert buffer.grad.data_ptr() == buffer.data_ptr() and torch.equal(buffer.detach(), buffer.grad)
+
+
 def test_all_ignored_mean_is_nan_like_torch():
     logits = torch.randn(4, 5, requires_grad=True)
     target = torch.full((4,), -100)
