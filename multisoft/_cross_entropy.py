@@ -181,7 +181,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
     ``inplace_backward=True`` has the backward write the gradient into
     ``logits`` itself (no gradient buffer at all): ``logits`` is overwritten by
     the backward and must not be used after it (``logits.grad`` is that same
-    memory). Eager mode only.
+    memory). Logits that are not a contiguous (N, C) or (C,) tensor are
+    gathered into a contiguous copy first, which then holds the gradient.
+    Eager mode only: under ``torch.compile`` the gradient gets its own buffer.
     """
     classes, label_smoothing = _check(logits, target, weight, ignore_index, reduction, label_smoothing)
     _validate.boolean(inplace_backward, "inplace_backward")
