@@ -1,7 +1,8 @@
 """CuPy backend: description without the framework (runs anywhere) and GPU behaviour (skips without CUDA + cupy).
 
 The kernels are called directly through the backend contract, against float64
-references written here, so these tests do not depend on the front.
+references written here, so these tests do not depend on the front's dispatch (only on
+its look-up table for the block-sparse kernels).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
 import multisoft_cupy  # noqa: E402
 from multisoft_cupy import _catalog  # noqa: E402
 
+from multisoft._blocksparse import lookup_table  # noqa: E402  (the front's look-up table: torch only, no backend)
 from multisoft.check import softmax_backward_magnitude  # noqa: E402  (float64 only, no backend)
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
@@ -64,20 +66,6 @@ def ce_reference(logits, target, weight, ignore_index, eps):
     grad = (1 - eps) * wt[:, None] * (p - one_hot) + eps / classes * (w.sum() * p - w)
     grad = torch.where((ignored | invalid)[:, None], 0.0, grad)
     return loss, lse, grad
-
-
-def make_lut(layout: torch.Tensor, block: int, device) -> SimpleNamespace:
-    heads, block_rows, block_cols = layout.shape
-    nonzero = layout.nonzero()
-    counts = layout.sum(-1).flatten()
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return SimpleNamespace(
-        block=block, heads=heads, block_rows=block_rows, block_cols=block_cols, nnz=nonzero.shape[0],
-        max_blocks=int(counts.max()), mean_blocks=nonzero.shape[0] / (heads * block_rows),
-        offsets=offsets.to(device, torch.int32),
-        columns=nonzero[:, 2].to(device, torch.int32),
-        rows=(nonzero[:, 0] * block_rows + nonzero[:, 1]).to(device, torch.int32))
 
 
 def blocksparse_reference(x, layout, block, scale, is_causal):
@@ -240,7 +228,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     cross_entropy.forward(x, target, w, torch.empty(4), torch.empty(4), torch.empty(4), -100, 0.1)
     cross_entropy.backward(x, target, None, None, torch.empty(4), torch.empty(4), x, -100, 0.0)
     layout = torch.ones(1, 2, 2, dtype=torch.long)
-    lut = make_lut(layout, 16, "cpu")
+    lut = lookup_table(layout, 16, "cpu")
     xb = torch.randn(1, lut.nnz, 16, 16)
     blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
     blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
@@ -495,7 +483,7 @@ def test_blocksparse_causal_matches_float64(block, dtype):
     _, _, blocksparse = _kernels()
     g = torch.Generator().manual_seed(block)
     layout = random_layout(2, 5, 5, g)
-    lut = make_lut(layout, block, _device())
+    lut = lookup_table(layout, block, _device())
     x = torch.randn(3, lut.nnz, block, block, device=_device()).to(dtype)
     dy = torch.randn_like(x)
     for causal in (False, True):
@@ -539,7 +527,7 @@ def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
     layout = random_layout(2, 6, 48, g)
     layout[1, 5, 7] = 1
     layout[1, 5, :5] = 0  # only above the diagonal: fully masked when causal
-    lut = make_lut(layout, 16, _device())
+    lut = lookup_table(layout, 16, _device())
     shape = (2, lut.nnz, 16, 16)
     storage = torch.randn(2 * lut.nnz * 256 + 1, device=_device()).to(dtype)
     x = storage[1:].view(shape) if unaligned else storage[:-1].view(shape)
