@@ -193,7 +193,7 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor, block: int, *, sc
     the row; a row with nothing unmasked gives zeros.
     """
     _validate.floating(x, "x")
-    scale = _validate.real(scale, "scale")
+    scale = _validate.finite(scale, "scale")
     is_causal = _validate.boolean(is_causal, "is_causal")
     name = resolve_name(x.device, x.dtype, backend)
     x = x.contiguous()
@@ -222,7 +222,7 @@ def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torc
         raise TypeError(f"dy must have y's dtype {y.dtype}, got {dy.dtype}")
     if dy.shape != y.shape:
         raise ValueError(f"dy must have y's shape {tuple(y.shape)}, got {tuple(dy.shape)}")
-    scale = _validate.real(scale, "scale")
+    scale = _validate.finite(scale, "scale")
     name = resolve_name(y.device, y.dtype, backend)
     y = y.contiguous()
     if y.numel() == 0:

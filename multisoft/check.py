@@ -84,7 +84,7 @@ def reference_cross_entropy(logits, target, **kwargs) -> torch.Tensor:
 def reference_blocksparse(x, layout, block, scale, is_causal) -> torch.Tensor:
     from ._blocksparse import blocksparse_from_dense, blocksparse_to_dense
 
-    dense = blocksparse_to_dense(x.double(), layout, block, fill=float("-inf")) * scale
+    dense = blocksparse_to_dense(x.double() * scale, layout, block, fill=float("-inf"))  # scaled, then masked
     if is_causal:
         m, n = dense.shape[-2:]
         dense = dense.masked_fill(torch.ones(m, n, dtype=torch.bool, device=x.device).triu(1), float("-inf"))

@@ -269,6 +269,23 @@ def test_blocksparse_softmax(backend, dtype, case, is_causal):
     assert_close(dx_direct, dx_expected, dtype, "blocksparse_softmax_backward", magnitude)
 
 
+@pytest.mark.parametrize("scale", [-0.7, 0.0], ids=["negative", "zero"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@on_each_backend
+def test_blocksparse_softmax_scale_of_either_sign(backend, dtype, is_causal, scale):
+    """A negative scale flips which element is the row's max; a zero one gives every unmasked element the same
+    share (masked ones stay 0)."""
+    layout = _layout(2, 6, 6, 0.5)
+    x = (torch.randn(2, int(layout.sum()), 32, 32, device=DEVICE) * 2).to(dtype).requires_grad_()
+    y = multisoft.blocksparse_softmax(x, layout, 32, scale=scale, is_causal=is_causal, backend=backend)
+    assert_close(y, reference_blocksparse(x.detach(), layout, 32, scale, is_causal), dtype, "forward")
+    dy = torch.randn_like(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    dx_expected, magnitude = reference_blocksparse_backward(y, dy, layout, 32, scale)
+    assert_close(dx, dx_expected, dtype, "backward", magnitude)
+
+
 # -- device and stream
 
 

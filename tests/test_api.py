@@ -177,6 +177,11 @@ def test_info_runs():
      ValueError, r"x must have shape \(Z, 1, 16, 16\)"),
     (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.ones(1, 1, 1, dtype=torch.long), 16,
                                            is_causal=1), TypeError, "is_causal must be a bool"),
+    (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.ones(1, 1, 1, dtype=torch.long), 16,
+                                           scale=float("inf")), ValueError, "scale must be finite"),
+    (lambda: multisoft.blocksparse_softmax_backward(torch.randn(1, 1, 16, 16), torch.randn(1, 1, 16, 16),
+                                                    torch.ones(1, 1, 1, dtype=torch.long), 16, scale=float("nan")),
+     ValueError, "scale must be finite"),
     (lambda: multisoft.blocksparse_from_dense(torch.randn(1, 1, 20, 32), torch.ones(1, 1, 2, dtype=torch.long), 16),
      ValueError, "does not match layout"),
 ])
