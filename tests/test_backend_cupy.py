@@ -545,6 +545,34 @@ def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
         check(dx, 0.5 * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None]), dtype, "backward")
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", _catalog.BLOCKSPARSE_CONFIGS, ids=lambda c: f"vpt{c.vpt}")
+def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
+    """Each compiled tile size, forward and backward, on rows of one to several tiles (whichever the layout's mean
+    row would choose), with and without the causal mask and with a negative scale."""
+    _, _, blocksparse = _kernels()
+    monkeypatch.setattr(_catalog, "blocksparse_config", lambda *_: cfg)
+    g = torch.Generator().manual_seed(cfg.vpt)
+    layout = random_layout(2, 6, 160, g)
+    layout[1, 5, :5] = 0
+    layout[1, 5, 7] = 1  # only above the diagonal: fully masked when causal
+    lut = lookup_table(layout, 16, _device())
+    x = torch.randn(2, lut.nnz, 16, 16, device=_device()).to(dtype)
+    dy = torch.randn_like(x)
+    for causal, scale in ((False, 0.5), (True, 0.5), (False, -0.8)):
+        y = torch.empty_like(x)
+        blocksparse.forward(x, y, lut, scale, causal)
+        check(y, blocksparse_reference(x, layout.to(_device()), 16, scale, causal), dtype,
+              f"forward causal={causal} scale={scale}")
+        dx = torch.empty_like(x)
+        blocksparse.backward(y, dy, dx, lut, scale)
+        y64, dy64 = y.double(), dy.double()
+        rowdot = torch.zeros(2, lut.heads * lut.block_rows, 16, dtype=torch.float64, device=_device())
+        rowdot.index_add_(1, lut.rows.long(), (y64 * dy64).sum(-1))
+        check(dx, scale * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None]), dtype, "backward")
+
+
 # ---- measured exceptions (SOFTMAX_RULES, CE_FWD_RULES) and register-capped configurations ----
 
 def test_blocksparse_values_per_thread_follow_the_mean_row():
@@ -556,6 +584,9 @@ def test_blocksparse_values_per_thread_follow_the_mean_row():
     assert _catalog.blocksparse_floats((32, 64), 1 << 20) == 64
     assert _catalog.blocksparse_floats((32,), 1 << 20) == 32
     assert _catalog.blocksparse_config(1280, 4, 64).vpt == 16 and _catalog.blocksparse_config(1280, 4, 32).vpt == 8
+    # bf16 rows of 1059 elements on average: 40 values per thread, a tile of 5 vectors (1280 elements)
+    assert _catalog.blocksparse_floats((40, 64), 1059.0) == 40 and _catalog.blocksparse_config(1059.0, 2, 40).vpt == 5
+    assert _catalog.blocksparse_config(465.0, 2, 40).vpt == 2  # the tile holds the mean row, not the longest
 
 
 def test_rules_pick_their_config_only_in_range(monkeypatch):

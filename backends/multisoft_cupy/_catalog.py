@@ -72,7 +72,8 @@ SOFTMAX_RULES = (
     ("bwd", 2, 128, 256, RowConfig(16, 8, 2)),
 )
 CE_FWD_RULES: tuple = ()
-BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 8), RowConfig(32, 4, 16))
+BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 5), RowConfig(32, 4, 8),
+                       RowConfig(32, 4, 16))
 
 
 class StagedConfig(NamedTuple):
@@ -322,8 +323,9 @@ def blocksparse_floats(choices: tuple, mean_row: float) -> int:
     return next((floats for floats in choices if 32 * floats >= mean_row), choices[-1])
 
 
-def blocksparse_config(row_length: int, elem_size: int, floats_per_thread: int) -> RowConfig:
-    """A warp per row: the smallest tile holding the row, at most `floats_per_thread` values per thread."""
+def blocksparse_config(row_length: float, elem_size: int, floats_per_thread: int) -> RowConfig:
+    """A warp per row: the smallest tile holding `row_length` elements (the layout's mean row: longer rows take
+    more tiles), at most `floats_per_thread` values per thread."""
     fitting = [c for c in BLOCKSPARSE_CONFIGS if c.vpt * (16 // elem_size) <= floats_per_thread]
     return _smallest_fitting(fitting or BLOCKSPARSE_CONFIGS[:1], row_length, elem_size)
 

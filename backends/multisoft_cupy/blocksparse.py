@@ -10,12 +10,13 @@ from ._module import aligned, ctype, f32, i32, i64, launch, ptr
 SOURCE = "blocksparse.cu"
 # Values each thread holds in registers (a row longer than a warp's share is read in tiles, twice): the forward
 # keeps one value per element, the backward two. By element size, choices: the first whose tile (a warp's share)
-# holds the layout's mean row, else the last. Measured on an H200 (tuning/blocksparse-floats-round*.txt): 64 lost
-# in the forward and in the bf16 backward everywhere; in the float32 backward it gained where rows are mostly
-# longer than 32's tile (b128 0.90 -> 0.99, b64 50 % 0.76 -> 0.90) and lost where they are mostly shorter (b64 11 %
-# causal 0.96 -> 0.78).
+# holds the layout's mean row, else the last; the tile itself is then the smallest that holds the mean row.
+# Measured on an H200 with session 14's kernels (tuning/blocksparse-lean-round*.txt): 64 lost in the forward; the
+# bf16 backward gains from 40 (a 1280-element tile) where the mean row is just over 1024 (b16 at 25 % 0.80 -> 0.87)
+# and from 64 where it is about 2048 (50 % 0.80 -> 0.94). Sizing the tile for the mean rather than the longest row
+# took the forward at 11 % from 0.51 to 0.64 (bf16) and 0.84 to 0.89 (float32).
 FORWARD_FLOATS = {4: (32,), 2: (32,)}
-BACKWARD_FLOATS = {4: (32, 64), 2: (32,)}
+BACKWARD_FLOATS = {4: (32, 64), 2: (40, 64)}
 
 
 def _common(data: torch.Tensor, lut, choices: dict) -> tuple:
@@ -23,7 +24,7 @@ def _common(data: torch.Tensor, lut, choices: dict) -> tuple:
     groups = lut.heads * lut.block_rows
     rows = z * groups * block
     floats = _catalog.blocksparse_floats(choices[data.element_size()], lut.mean_blocks * block)
-    cfg = _catalog.blocksparse_config(lut.max_blocks * block, data.element_size(), floats)
+    cfg = _catalog.blocksparse_config(lut.mean_blocks * block, data.element_size(), floats)
     grid = (_catalog.grid_blocks(rows, cfg), 1, 1)
     sizes = (i64(z), i64(nnz), i64(groups), i32(lut.block_rows), i32(block.bit_length() - 1))
     return cfg, grid, sizes
