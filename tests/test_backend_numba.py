@@ -341,9 +341,9 @@ def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
     from multisoft_numba import blocksparse
 
     monkeypatch.setattr(blocksparse, "SIMULATOR", False)
-    assert blocksparse._launch_shape(4096, 1040.0, 4, 4)[3:] == (16, 32)
-    assert blocksparse._launch_shape(4096, 467.0, 4, 4)[3:] == (16, 16)
-    assert blocksparse._launch_shape(4096, 1040.0, 8, 2)[3:] == (16, 16)
+    assert blocksparse._launch_shape(1, 4096, 1040.0, 4, 4)[3:] == (16, 32)
+    assert blocksparse._launch_shape(1, 4096, 467.0, 4, 4)[3:] == (16, 16)
+    assert blocksparse._launch_shape(1, 4096, 1040.0, 8, 2)[3:] == (16, 16)
 
 
 @needs_backend
@@ -355,7 +355,8 @@ def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
     from multisoft._blocksparse import lookup_table
     from multisoft_numba import blocksparse
     for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
-                        ("FORWARD_FLOATS", {4: (2,), 2: (2,)}), ("BACKWARD_FLOATS", {4: (2,), 2: (2,)})):
+                        ("FORWARD_FLOATS", {4: (2,), 2: (2,)}), ("BACKWARD_FLOATS", {4: (2,), 2: (2,)}),
+                        ("MAX_GRID", 3), ("MAX_GRID_Y", 1)):
         monkeypatch.setattr(blocksparse, name, value)
     unaligned = dtype == "bfloat16-unaligned"
     dtype = torch.bfloat16 if unaligned else dtype

@@ -1,9 +1,10 @@
 """Block-sparse softmax over the compressed blocks (Z, nnz, B, B), forward and backward.
 
 Row i of block-row g = h * Mb + r in batch z is the concatenation of row i of the
-blocks offsets[g] .. offsets[g + 1]; rows are numbered (z, g, i). One warp per row
-(WARPS rows per thread block, grid-stride over the rows; under the simulator, which
-has no shuffles, one warp per block). The data is read and written in vectors of
+blocks offsets[g] .. offsets[g + 1]; rows of a batch entry are numbered (g, i), and
+the grid's y index walks the batch (no division per row). One warp per row (WARPS
+rows per thread block, grid-stride over the rows; under the simulator, which has no
+shuffles, one warp per block). The data is read and written in vectors of
 `width` elements, one access each (_device.row_io; the widest that the tensors'
 alignment allows, see _glue.vector_views), through 1-D views indexed with unsigned
 integers. Vector v of a row lies in block v // V at vector v % V of its row (V
@@ -34,7 +35,8 @@ from ._glue import SIMULATOR, device_function, launch, vector_views
 FORWARD_FLOATS = {4: (16,), 2: (16,)}
 BACKWARD_FLOATS = {4: (16, 32), 2: (16,)}
 WARPS = 4              # rows (warps) per thread block on the GPU
-MAX_GRID = 1 << 20     # most thread blocks launched; more rows are walked grid-stride
+MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
+MAX_GRID_Y = 65535     # most along the batch, the same
 # The simulator runs a thread per lane and pays for every one and for every barrier: one
 # lane per row by default (tests set more), few blocks, short tiles (rows of several tiles).
 SIMULATOR_LANES = 1
@@ -50,12 +52,11 @@ def _jit(threads):
 
 
 @device_function
-def _row_place(row_id, offsets, nnz, groups, log2b, log2v):
+def _row_place(z, row, offsets, nnz, log2b, log2v):
     """(first block of the row's block-row, its block count, block-row g, row i in the block,
-    vector offset of row i of the first block)."""
-    i = row_id & ((int64(1) << log2b) - 1)
-    group = (row_id >> log2b) % groups
-    z = (row_id >> log2b) // groups
+    vector offset of row i of the first block) for row (g, i) of batch entry z."""
+    i = row & ((int64(1) << log2b) - 1)
+    group = row >> log2b
     first = int64(offsets[group])
     blocks = int64(offsets[group + 1]) - first
     base = (((z * nnz + first) << log2b) + i) << log2v
@@ -119,56 +120,59 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 write(out, _vector_at(base, v, log2b, log2v), vals, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_forward(x, out, offsets, columns, rows, nnz, groups, block_rows, log2b, log2v, scale):
+    def blocksparse_forward(x, out, offsets, columns, batch, rows, nnz, block_rows, log2b, log2v, scale):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
-        row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
-        while row_id < rows:
-            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2v)
-            n_vectors = blocks << log2v
-            limit = blocks << log2b
-            if causal:
-                limit = _causal_limit(columns, first, blocks, group % block_rows, i, log2b)
-            limit_vectors = (limit + width - 1) // width
-            tiles = (limit_vectors + tile - 1) // tile
-            # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
-            m = NEG_INF
-            s = float32(0.0)
-            for t in range(tiles):
-                load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
-                top = NEG_INF
-                for k in range(floats):
-                    top = nan_max(top, vals[k])
-                if top > m or top != top:
-                    s *= expf(m - top)
-                    m = top
-                acc = float32(0.0)
-                for k in range(floats):
-                    e = float32(0.0) if m == NEG_INF else expf(vals[k] - m)
-                    vals[k] = e
-                    acc += e
-                s += acc
-            row_m, row_s = lanes_online_merge(m, s)
-            empty = row_m == NEG_INF   # every element masked or -inf: zeros
-            inv_s = float32(0.0) if empty else float32(1.0) / row_s
-            factor = float32(0.0) if empty or m == NEG_INF else expf(m - row_m) * inv_s
-            # pass 2: the last tile from registers, the others read again, zeros past the limit
-            if tiles > 0:
-                for k in range(floats):
-                    vals[k] *= factor
-                store_tile(out, vals, base, tiles - 1, lane, n_vectors, log2b, log2v)
-            for t in range((n_vectors + tile - 1) // tile):
-                if t == tiles - 1:
-                    continue
-                if t < tiles - 1 and not empty:
+        z = int64(cuda.blockIdx.y)
+        while z < batch:
+            row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
+            while row_id < rows:
+                first, blocks, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
+                n_vectors = blocks << log2v
+                limit = blocks << log2b
+                if causal:
+                    limit = _causal_limit(columns, first, blocks, group % block_rows, i, log2b)
+                limit_vectors = (limit + width - 1) // width
+                tiles = (limit_vectors + tile - 1) // tile
+                # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
+                m = NEG_INF
+                s = float32(0.0)
+                for t in range(tiles):
                     load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
+                    top = NEG_INF
                     for k in range(floats):
-                        vals[k] = expf(vals[k] - row_m) * inv_s
-                else:
+                        top = nan_max(top, vals[k])
+                    if top > m or top != top:
+                        s *= expf(m - top)
+                        m = top
+                    acc = float32(0.0)
+                    shift = float32(0.0) if m == NEG_INF else m  # nothing but -inf so far: exp(-inf - 0) = 0
                     for k in range(floats):
-                        vals[k] = float32(0.0)
-                store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
-            row_id += int64(cuda.gridDim.x) * warps
+                        vals[k] = expf(vals[k] - shift)
+                        acc += vals[k]
+                    s += acc
+                row_m, row_s = lanes_online_merge(m, s)
+                empty = row_m == NEG_INF   # every element masked or -inf: zeros
+                inv_s = float32(0.0) if empty else float32(1.0) / row_s
+                factor = float32(0.0) if empty or m == NEG_INF else expf(m - row_m) * inv_s
+                # pass 2: the last tile from registers, the others read again, zeros past the limit
+                if tiles > 0:
+                    for k in range(floats):
+                        vals[k] *= factor
+                    store_tile(out, vals, base, tiles - 1, lane, n_vectors, log2b, log2v)
+                for t in range((n_vectors + tile - 1) // tile):
+                    if t == tiles - 1:
+                        continue
+                    if t < tiles - 1 and not empty:
+                        load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
+                        for k in range(floats):
+                            vals[k] = expf(vals[k] - row_m) * inv_s
+                    else:
+                        for k in range(floats):
+                            vals[k] = float32(0.0)
+                    store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
+                row_id += int64(cuda.gridDim.x) * warps
+            z += int64(cuda.gridDim.y)
 
     return blocksparse_forward
 
@@ -206,30 +210,33 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
                 write(dx, _vector_at(base, v, log2b, log2v), gs, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_backward(y, dy, dx, offsets, rows, nnz, groups, log2b, log2v, scale):
+    def blocksparse_backward(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, scale):
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(floats, float32)
         gs = cuda.local.array(floats, float32)
-        row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
-        while row_id < rows:
-            first, blocks, group, i, base = _row_place(row_id, offsets, nnz, groups, log2b, log2v)
-            n_vectors = blocks << log2v
-            tiles = (n_vectors + tile - 1) // tile
-            dot = float32(0.0)
-            lost = float32(0.0)
-            for t in range(tiles):
-                load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
-                acc = float32(0.0)
-                for k in range(floats):
-                    acc += ys[k] * gs[k]
-                dot, lost = kahan_add(dot, lost, acc)
-            dot = lanes_sum(dot - lost)
-            if tiles > 0:
-                store_tile(dx, ys, gs, base, tiles - 1, lane, n_vectors, log2b, log2v, dot, scale)
-            for t in range(tiles - 1):
-                load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
-                store_tile(dx, ys, gs, base, t, lane, n_vectors, log2b, log2v, dot, scale)
-            row_id += int64(cuda.gridDim.x) * warps
+        z = int64(cuda.blockIdx.y)
+        while z < batch:
+            row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
+            while row_id < rows:
+                first, blocks, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
+                n_vectors = blocks << log2v
+                tiles = (n_vectors + tile - 1) // tile
+                dot = float32(0.0)
+                lost = float32(0.0)
+                for t in range(tiles):
+                    load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
+                    acc = float32(0.0)
+                    for k in range(floats):
+                        acc += ys[k] * gs[k]
+                    dot, lost = kahan_add(dot, lost, acc)
+                dot = lanes_sum(dot - lost)
+                if tiles > 0:
+                    store_tile(dx, ys, gs, base, tiles - 1, lane, n_vectors, log2b, log2v, dot, scale)
+                for t in range(tiles - 1):
+                    load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
+                    store_tile(dx, ys, gs, base, t, lane, n_vectors, log2b, log2v, dot, scale)
+                row_id += int64(cuda.gridDim.x) * warps
+            z += int64(cuda.gridDim.y)
 
     return blocksparse_backward
 
@@ -241,36 +248,36 @@ def _floats(choices, row: int, lanes: int, width: int) -> int:
     return next((floats for floats in rounded if floats * lanes >= row), rounded[-1])
 
 
-def _launch_shape(rows: int, row: float, width: int, element_size: int):
-    """(lanes per row, rows per thread block, thread blocks, values per lane forward, backward)
-    for `rows` rows of `row` elements on average read in vectors of `width`."""
+def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int):
+    """(lanes per row, rows per thread block, grid, values per lane forward, backward) for `batch` times `rows`
+    rows of `row` elements on average read in vectors of `width`."""
     if SIMULATOR:
         floats = _floats((SIMULATOR_FLOATS,), row, SIMULATOR_LANES, width)
-        return SIMULATOR_LANES, 1, max(1, min(rows, SIMULATOR_GRID)), floats, floats
-    return (32, WARPS, max(1, min(-(-rows // WARPS), MAX_GRID)),
+        return SIMULATOR_LANES, 1, (max(1, min(rows, SIMULATOR_GRID)), 1), floats, floats
+    return (32, WARPS, (max(1, min(-(-rows // WARPS), MAX_GRID)), max(1, min(batch, MAX_GRID_Y))),
             _floats(FORWARD_FLOATS[element_size], row, 32, width),
             _floats(BACKWARD_FLOATS[element_size], row, 32, width))
 
 
 def _common(tensors, lut):
     """(element format, vector width (at most B: no vector crosses blocks), 1-D word views,
-    launch shape, sizes: rows, nnz, groups, log2 B, log2 of the vectors per block row)."""
+    launch shape, sizes: batch, rows per batch entry, nnz, log2 B, log2 of the vectors per block row)."""
     fmt, width, views = vector_views(tuple(t.view(-1) for t in tensors), lut.block)
-    groups = lut.heads * lut.block_rows
-    rows = tensors[0].shape[0] * groups * lut.block
+    batch = tensors[0].shape[0]
+    rows = lut.heads * lut.block_rows * lut.block
     log2b = lut.block.bit_length() - 1
-    sizes = (rows, lut.nnz, groups, log2b, log2b - (width.bit_length() - 1))
-    shape = _launch_shape(rows, lut.mean_blocks * lut.block, width, tensors[0].element_size())
+    sizes = (batch, rows, lut.nnz, log2b, log2b - (width.bit_length() - 1))
+    shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size())
     return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     if x.numel() == 0:
         return
-    fmt, width, views, shape, (rows, nnz, groups, log2b, log2v) = _common((x, out), lut)
+    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut)
     lanes, warps, grid, floats, _ = shape
     launch(_forward_kernel(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
-           (*views, lut.offsets, lut.columns, rows, nnz, groups, numpy.int64(lut.block_rows), log2b, log2v,
+           (*views, lut.offsets, lut.columns, batch, rows, nnz, numpy.int64(lut.block_rows), log2b, log2v,
             numpy.float32(scale)))
 
 

@@ -89,7 +89,7 @@ def blocksparse_configurations():
     found = []
     for fmt, name, width in ((FP32, "fp32", 4), (BF16, "bf16", 8)):
         arr = words[fmt]
-        lanes, warps, _, forward, backward = blocksparse._launch_shape(1 << 20, 1040, width, 16 // width)
+        lanes, warps, _, forward, backward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width)
         for causal in (False, True):
             found.append((f"bs-fwd-{name}{'-causal' if causal else ''}-{forward}",
                           blocksparse._forward_kernel(fmt, width, causal, forward, lanes, warps),
