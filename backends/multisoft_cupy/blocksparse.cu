@@ -134,120 +134,66 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// exp(scale * x - m) for many x and one m = scale * (their max), scale > 0: ShiftedExp's terms of scale * x with
-// the scale folded into the coefficient (one FFMA per term; float32: x * scale - m exact, then a multiply).
-template <typename T>
-struct ScaledExp {
-    ShiftedExp<T> ex;
-    float coef, neg_shift;
-    __device__ __forceinline__ ScaledExp(float m, float scale) : ex(m) {
-        if constexpr (sizeof(T) == 2) {
-            coef = scale * ex.scale;
-            neg_shift = -ex.shift;
-        } else {
-            coef = scale;
-            neg_shift = -m;
-        }
-    }
-    __device__ __forceinline__ float operator()(float x) const {
-        if constexpr (sizeof(T) == 2) return exp2_approx(fmaf(x, coef, neg_shift));
-        else return exp2_approx(fmaf(x, coef, neg_shift) * 1.4426950408889634f);
-    }
-    __device__ __forceinline__ float unshift(float v) const { return ex.unshift(v); }
-};
-
-// The largest of the raw words' values (16-bit pairs compared as they are, NaN kept).
-template <typename T, int N>
-__device__ __forceinline__ float raw_max(const uint4 (&q)[N]) {
-    if constexpr (Elem<T>::PER_WORD == 1) {
-        float m = -MS_INF;
-#pragma unroll
-        for (int k = 0; k < N; ++k)
-            m = fmaxf(fmaxf(fmaxf(m, __uint_as_float(q[k].x)), fmaxf(__uint_as_float(q[k].y), __uint_as_float(q[k].z))),
-                      __uint_as_float(q[k].w));
-        return m;
-    } else {
-        u32 w = q[0].x;
-#pragma unroll
-        for (int k = 0; k < N; ++k)
-            w = max_pairs<T>(max_pairs<T>(max_pairs<T>(w, q[k].x), max_pairs<T>(q[k].y, q[k].z)), q[k].w);
-        return fmaxf(Elem<T>::get(w, 0), Elem<T>::get(w, 1));
-    }
-}
-
-// softmax(scale * x) of one row. MASKED (causal, or scale <= 0): scores scale * x, masked elements (causal, past the
-// row's end) chosen element by element. Else (scale > 0): the row's max taken on the raw values, the vectors past
-// the row's end read as -inf, and the scale folded into the exponential (ScaledExp).
+// softmax(scale * x) of one row. MASKED: masked elements (causal, past the row's end) are chosen element by
+// element, for any scale; else the vectors past the row's end are filled with a value that scale takes to -inf
+// (scale != 0).
 template <typename T, int VPT, bool VECTOR, bool MASKED>
 __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row, const int* columns, int log2b,
                                            float scale, bool causal) {
     using V = BsVec<T>;
     constexpr int VEC = V::VEC;
+    const uint4 fill = V::splat(scale > 0.f ? -MS_INF : MS_INF);
     const int ntiles = row.template tiles<VPT>();
-    uint4 q[VPT];
     float f[VPT][VEC];
-    auto load = [&](int t) {
+    // scale * x, -inf where masked
+    auto scores = [&](int t) {
+        uint4 q[VPT];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            q[k] = V::splat(-MS_INF);
+            q[k] = fill;
             if (row.has(t * VPT + k)) q[k] = V::template load<VECTOR>(x + row.offset(t * VPT + k));
         }
-    };
-    // MASKED: f = scale * x, -inf where masked
-    auto scores = [&](int t) {
-        load(t);
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            const int s = t * VPT + k;
-            int keep = row.has(s) ? VEC : 0;  // elements 0 .. keep - 1 are scores
-            if (causal && keep) {
-                const int col = (columns[row.first + row.block(s)] << log2b) + row.col;
-                keep = max(0, min(VEC, row.abs_row - col + 1));
+            int keep = VEC;  // elements 0 .. keep - 1 are scores
+            if constexpr (MASKED) {
+                const int s = t * VPT + k;
+                keep = row.has(s) ? VEC : 0;
+                if (causal && keep) {
+                    const int col = (columns[row.first + row.block(s)] << log2b) + row.col;
+                    keep = max(0, min(VEC, row.abs_row - col + 1));
+                }
             }
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) f[k][e] = e < keep ? V::get(q[k], e) * scale : -MS_INF;
+            for (int e = 0; e < VEC; ++e) {
+                const float v = V::get(q[k], e) * scale;
+                f[k][e] = !MASKED || e < keep ? v : -MS_INF;
+            }
         }
     };
     // Pass 1: running max m and sum s; f ends as exp(score - m) of the last tile (times fix, see ShiftedExp).
     float m = -MS_INF, s = 0.f, fix = 1.f;
     for (int t = 0; t < ntiles; ++t) {
+        scores(t);
         const float m_old = m;
         float tile_max = -MS_INF;
-        if constexpr (MASKED) {
-            scores(t);
 #pragma unroll
-            for (int k = 0; k < VPT; ++k)
+        for (int k = 0; k < VPT; ++k)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) tile_max = fmaxf(tile_max, f[k][e]);
-        } else {
-            load(t);
-            tile_max = raw_max<T>(q) * scale;
-        }
+            for (int e = 0; e < VEC; ++e) tile_max = fmaxf(tile_max, f[k][e]);
         m = fmaxf(m, tile_max);
         const float shift = m == -MS_INF ? 0.f : m;  // nothing but masked elements so far: exp(-inf - 0) = 0
         s *= exp_diff(m_old, shift);
+        const ShiftedExp<T> ex(shift);
         float acc = 0.f;
-        if constexpr (MASKED) {
-            const ShiftedExp<T> ex(shift);
 #pragma unroll
-            for (int k = 0; k < VPT; ++k)
+        for (int k = 0; k < VPT; ++k)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    f[k][e] = ex(f[k][e]);
-                    acc += f[k][e];
-                }
-            fix = ex.unshift(1.f);
-        } else {
-            const ScaledExp<T> ex(shift, scale);
-#pragma unroll
-            for (int k = 0; k < VPT; ++k)
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    f[k][e] = ex(V::get(q[k], e));
-                    acc += f[k][e];
-                }
-            fix = ex.unshift(1.f);
-        }
+            for (int e = 0; e < VEC; ++e) {
+                f[k][e] = ex(f[k][e]);
+                acc += f[k][e];
+            }
+        fix = ex.unshift(1.f);
         s += acc * fix;
     }
     const float row_max = warp_max(m);
@@ -275,16 +221,13 @@ __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row,
     }
     if (last < 1) return;
     const ShiftedExp<T> ex(row_max);
-    const ScaledExp<T> scaled(row_max, scale);
     const float fixed_inv_sum = ex.unshift(inv_sum);
     for (int t = last - 1; t >= 0; --t) {
-        if constexpr (MASKED) scores(t);
-        else load(t);
+        scores(t);
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                f[k][e] = (MASKED ? ex(f[k][e]) : scaled(V::get(q[k], e))) * fixed_inv_sum;
+            for (int e = 0; e < VEC; ++e) f[k][e] = ex(f[k][e]) * fixed_inv_sum;
             V::template store<VECTOR>(out + row.offset(t * VPT + k), f[k]);  // every step of a full tile is there
         }
     }
@@ -296,7 +239,7 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_fwd(const T* x, T* out, const int* 
     static_assert(TPR == 32, "a warp per row");
     const int lane = threadIdx.x % 32;
     const i64 total_rows = (Z * groups) << log2b;
-    const bool masked = causal != 0 || !(scale > 0.f);
+    const bool masked = causal != 0 || scale == 0.f;
     for (i64 rid = (i64)blockIdx.x * ROWS + threadIdx.x / 32; rid < total_rows; rid += (i64)gridDim.x * ROWS) {
         const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b, lane);
         if (vec_ok) {
