@@ -13,10 +13,9 @@ vectors per block row); lane `lane` holds the vectors t * TILE + k * 32 + lane
 vectors. A row of one tile is read once and written from registers; a longer row
 reads its tiles again (the last one excepted).
 
-Causal masking tests elements only in the one vector that the limit may cut: the
-blocks of a block-row are in column order, so the unmasked elements of row i of
-block-row r are a prefix of the row, the blocks left of column r and, if
-block-column r is present, i + 1 more elements.
+Causal masking looks up each vector's block column (a load from the look-up table's
+columns, cached, issued with the vector's own load: no chain of dependent loads per
+row) and masks the elements past the diagonal.
 """
 
 import functools
@@ -64,23 +63,6 @@ def _row_place(z, row, offsets, nnz, log2b, log2v):
 
 
 @device_function
-def _causal_limit(columns, first, blocks, block_row, i, log2b):
-    """Unmasked elements of row i of block-row `block_row` (a prefix: columns are sorted)."""
-    low = int64(0)
-    high = blocks
-    while low < high:   # first block whose column is >= block_row
-        middle = (low + high) >> 1
-        if int64(columns[uint64(first + middle)]) < block_row:
-            low = middle + 1
-        else:
-            high = middle
-    limit = low << log2b
-    if low < blocks and int64(columns[uint64(first + low)]) == block_row:
-        limit += i + 1
-    return limit
-
-
-@device_function
 def _vector_at(base, v, log2b, log2v):
     """Index of vector v of the row whose first block's row starts at vector `base`."""
     return uint64(base + ((v >> log2v) << (log2b + log2v)) + (v & ((int64(1) << log2v) - 1)))
@@ -95,19 +77,22 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     read, write = row_io(fmt, width)
 
     @device_function
-    def load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale):
-        """vals = scale * x over tile t; -inf past `limit` elements."""
+    def load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale, columns, first, row):
+        """vals = scale * x over tile t; -inf past the row's end and, when causal, past absolute column `row`."""
         for k in range(vectors):
             v = t * tile + k * lanes + lane
             at = k * width
-            if v < limit_vectors:
+            if v < n_vectors:
                 read(x, _vector_at(base, v, log2b, log2v), vals, at)
                 for j in range(width):
                     vals[at + j] *= scale
-                if causal and (v + 1) * width > limit:   # the vector the limit cuts
-                    for j in range(width):
-                        if v * width + j >= limit:
-                            vals[at + j] = NEG_INF
+                if causal:
+                    column = ((int64(columns[uint64(first + (v >> log2v))]) << log2b)
+                              + (v & ((int64(1) << log2v) - 1)) * width)
+                    if column + width - 1 > row:   # the diagonal cuts this vector, or it lies past it
+                        for j in range(width):
+                            if column + j > row:
+                                vals[at + j] = NEG_INF
             else:
                 for j in range(width):
                     vals[at + j] = NEG_INF
@@ -129,16 +114,13 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
             while row_id < rows:
                 first, blocks, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 n_vectors = blocks << log2v
-                limit = blocks << log2b
-                if causal:
-                    limit = _causal_limit(columns, first, blocks, group % block_rows, i, log2b)
-                limit_vectors = (limit + width - 1) // width
-                tiles = (limit_vectors + tile - 1) // tile
+                row = ((group % block_rows) << log2b) + i if causal else int64(0)   # absolute row (causal)
+                tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
                 m = NEG_INF
                 s = float32(0.0)
                 for t in range(tiles):
-                    load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
+                    load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale, columns, first, row)
                     top = NEG_INF
                     for k in range(floats):
                         top = nan_max(top, vals[k])
@@ -155,21 +137,19 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 empty = row_m == NEG_INF   # every element masked or -inf: zeros
                 inv_s = float32(0.0) if empty else float32(1.0) / row_s
                 factor = float32(0.0) if empty or m == NEG_INF else expf(m - row_m) * inv_s
-                # pass 2: the last tile from registers, the others read again, zeros past the limit
+                # pass 2: the last tile from registers, the others read again (zeros if the row is empty)
                 if tiles > 0:
                     for k in range(floats):
                         vals[k] *= factor
                     store_tile(out, vals, base, tiles - 1, lane, n_vectors, log2b, log2v)
-                for t in range((n_vectors + tile - 1) // tile):
-                    if t == tiles - 1:
-                        continue
-                    if t < tiles - 1 and not empty:
-                        load_scores(x, vals, base, t, lane, limit, limit_vectors, log2b, log2v, scale)
-                        for k in range(floats):
-                            vals[k] = expf(vals[k] - row_m) * inv_s
-                    else:
+                for t in range(tiles - 1):
+                    if empty:
                         for k in range(floats):
                             vals[k] = float32(0.0)
+                    else:
+                        load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale, columns, first, row)
+                        for k in range(floats):
+                            vals[k] = expf(vals[k] - row_m) * inv_s
                     store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
                 row_id += int64(cuda.gridDim.x) * warps
             z += int64(cuda.gridDim.y)
