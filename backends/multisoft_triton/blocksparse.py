@@ -143,109 +143,6 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, bl
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# Row kernels: a program holds ROWS rows of one block-row (all as long), the first BLOCKS blocks of each in registers
-# and the rest, if any, streamed: read once for the statistics and again for the output. BLOCKS covers the layout's
-# mean row, up to ROW_CHUNK elements, so a row longer than the mean re-reads only its tail.
-ROW_KERNELS = True
-ROW_CHUNK = 1024
-ROW_WARPS = 4
-
-
-@triton.jit
-def _row_slab(columns_ptr, start, count, block_row, i, nnz, first_block,
-              BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
-    """Offsets, mask and causal keep-mask of the [ROWS, BLOCKS, B] slab of rows i (of one block-row that starts at
-    block `start` and has `count` blocks) from block first_block."""
-    k = first_block + tl.arange(0, BLOCKS)
-    j = tl.arange(0, B)
-    block_mask = k < count
-    z = tl.program_id(1).to(tl.int64)
-    base = (z * nnz + start + k) * (B * B)
-    offsets = base[None, :, None] + (i * B)[:, None, None] + j[None, None, :]
-    column = tl.load(columns_ptr + start + k, mask=block_mask, other=0)
-    # absolute column c*B + j <= absolute row r*B + i  <=>  j - i <= (r - c) * B
-    causal_keep = (j[None, None, :] - i[:, None, None]) <= ((block_row - column) * B)[None, :, None]
-    return offsets, block_mask[None, :, None], causal_keep
-
-
-@triton.jit
-def _row_program(offsets_ptr, block_rows, ROWS: tl.constexpr, B: tl.constexpr):
-    """This program's block-row, its first block, its block count, and its rows within the block."""
-    PARTS: tl.constexpr = B // ROWS
-    pid = tl.program_id(0)
-    group = pid // PARTS
-    i = (pid % PARTS) * ROWS + tl.arange(0, ROWS)
-    start = tl.load(offsets_ptr + group)
-    count = tl.load(offsets_ptr + group + 1) - start
-    return group % block_rows, start, count, i
-
-
-@triton.jit
-def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, columns_ptr, nnz, block_rows, scale,
-                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
-    block_row, start, count, i = _row_program(offsets_ptr, block_rows, ROWS, B)
-    offsets, mask, keep = _row_slab(columns_ptr, start, count, block_row, i, nnz, 0, BLOCKS, ROWS, B)
-    x = _scores(x_ptr, offsets, mask, keep, scale, CAUSAL)
-    held_max = tl.max(tl.max(x, axis=2), axis=1)
-    held_shift = safe_shift(held_max)
-    held = fast_exp(x - held_shift[:, None, None])
-    run_max = held_max
-    run_sum = tl.sum(tl.sum(held, axis=2), axis=1)
-    for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask, keep = _row_slab(columns_ptr, start, count, block_row, i, nnz, first, BLOCKS, ROWS, B)
-        x = _scores(x_ptr, offsets, mask, keep, scale, CAUSAL)
-        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(tl.max(x, axis=2), axis=1))
-        run_sum += tl.sum(tl.sum(fast_exp(x - shift[:, None, None]), axis=2), axis=1)
-    shift = safe_shift(run_max)
-    inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
-    for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask, keep = _row_slab(columns_ptr, start, count, block_row, i, nnz, first, BLOCKS, ROWS, B)
-        x = _scores(x_ptr, offsets, mask, keep, scale, CAUSAL)
-        y = fast_exp(x - shift[:, None, None]) * inverse[:, None, None]
-        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
-    offsets, mask, _ = _row_slab(columns_ptr, start, count, block_row, i, nnz, 0, BLOCKS, ROWS, B)
-    factor = tl.where(held_max == -float("inf"), 0.0, fast_exp(held_shift - shift) * inverse)
-    tl.store(out_ptr + offsets, (held * factor[:, None, None]).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, columns_ptr, nnz, block_rows, scale,
-                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
-    block_row, start, count, i = _row_program(offsets_ptr, block_rows, ROWS, B)
-    offsets, mask, _ = _row_slab(columns_ptr, start, count, block_row, i, nnz, 0, BLOCKS, ROWS, B)
-    y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dot = tl.sum(tl.sum(y0 * dy0, axis=2), axis=1)
-    for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask, _ = _row_slab(columns_ptr, start, count, block_row, i, nnz, first, BLOCKS, ROWS, B)
-        y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dot += tl.sum(tl.sum(y * dy, axis=2), axis=1)
-    for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask, _ = _row_slab(columns_ptr, start, count, block_row, i, nnz, first, BLOCKS, ROWS, B)
-        y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dx = scale * y * (dy - dot[:, None, None])
-        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    offsets, mask, _ = _row_slab(columns_ptr, start, count, block_row, i, nnz, 0, BLOCKS, ROWS, B)
-    dx0 = scale * y0 * (dy0 - dot[:, None, None])
-    tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _launch_rows(kernel, lut, tensors, scale, **constexprs):
-    """One program per ROWS rows of a block-row, ROW_WARPS warps; BLOCKS covers the mean row, up to ROW_CHUNK."""
-    block = lut.block
-    blocks = max(1, min(next_power_of_2(lut.mean_blocks), ROW_CHUNK // block))
-    rows = min(block, ROW_WARPS)
-    groups = lut.heads * lut.block_rows
-    with on_device(tensors[0]):
-        for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
-            part = [t[first:first + MAX_GRID_Z] for t in tensors]
-            grid = (groups * (block // rows), part[0].shape[0])
-            kernel[grid](*part, lut.offsets, lut.columns, lut.nnz, lut.block_rows, float(scale),
-                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
-
-
 def _plan(blocks, block):
     """(tile?, blocks per slab, rows per program) for block-rows of up to `blocks` (a power of 2) blocks."""
     widest = blocks * block
@@ -315,17 +212,11 @@ def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     if x.numel() == 0 or lut.max_blocks == 0:
         return
-    if ROW_KERNELS:
-        _launch_rows(_fwd_rows_kernel, lut, (x, out), scale, CAUSAL=bool(is_causal))
-        return
     _launch((_fwd_tile_kernel, _fwd_loop_kernel), lut, (x, out), scale, "forward", CAUSAL=bool(is_causal))
 
 
 def backward(y, dy, dx, lut, scale):
     """dx = scale * y * (dy - sum_row(y * dy))."""
     if y.numel() == 0 or lut.max_blocks == 0:
-        return
-    if ROW_KERNELS:
-        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale)
         return
     _launch((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale, "backward")

@@ -89,13 +89,6 @@ def configurations():
             found.append((f"blocksparse-bwd-b{block}x{blocks}-{dtype}", blocksparse._bwd_tile_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **table},
                           {"BLOCKS": slab, "ROWS": rows, "B": block}, warps))
-        for block in (16, 64):
-            rows = {"offsets_ptr": "*i32", "columns_ptr": "*i32", "nnz": "i32", "block_rows": "i32", "scale": "fp32"}
-            sizes = {"BLOCKS": blocksparse.ROW_CHUNK // block, "ROWS": blocksparse.ROW_WARPS, "B": block}
-            found.append((f"blocksparse-fwd-rows-b{block}-{dtype}", blocksparse._fwd_rows_kernel,
-                          {"x_ptr": ptr, "out_ptr": ptr, **rows}, {**sizes, "CAUSAL": False}, blocksparse.ROW_WARPS))
-            found.append((f"blocksparse-bwd-rows-b{block}-{dtype}", blocksparse._bwd_rows_kernel,
-                          {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **rows}, sizes, blocksparse.ROW_WARPS))
     return found
 
 
