@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
 export OUT
-C='import multisoft_cupy.blocksparse as c, multisoft_cupy._catalog as k, multisoft_cupy._module as m'
+C='import multisoft_cupy.blocksparse as c; import multisoft_cupy._catalog as k'
 if [ "${ROUND:-1}" = 1 ]; then
 SOURCE=blocksparse.cu CASES=b DIRECTIONS=forward,backward bash benchmarks/tune/cupy_ab.sh
 CAP="k.BLOCKSPARSE_CONFIGS = tuple(g._replace(min_blocks=6) if g.vpt <= 8 else g for g in k.BLOCKSPARSE_CONFIGS)"
