@@ -190,7 +190,8 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor, block: int, *, sc
 
     ``x`` is (Z, nnz, block, block) in ``layout.nonzero()`` order; the result
     has the same format. ``is_causal`` masks every absolute column greater than
-    the row; a row with nothing unmasked gives zeros.
+    the row; a row with nothing unmasked gives zeros. ``scale`` is any finite
+    number (0 gives every unmasked element of a row the same share).
     """
     _validate.floating(x, "x")
     scale = _validate.finite(scale, "scale")
