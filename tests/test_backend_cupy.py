@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -129,7 +130,7 @@ def test_softmax_config_is_compiled_and_loops_little(direction, cc, elem):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("cc", [80, 90])
 def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, monkeypatch):
-    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {(direction, elem): (999, 1 << 62)})
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {(direction, elem): (999, math.inf)})
     monkeypatch.setattr(_catalog, "STAGED_WARP_COLUMNS", {})
     assert _catalog.staged_config(direction, 999, elem, cc, 227 * 1024) is None
     assert _catalog.staged_config(direction, 1000, elem, 75, 227 * 1024) is None
@@ -156,7 +157,7 @@ def test_staged_config_covers_the_row_in_compiled_kernels(direction, cc, elem, m
 @pytest.mark.parametrize("elem", [4, 2])
 def test_staged_warps_take_their_column_range(elem, monkeypatch):
     monkeypatch.setattr(_catalog, "STAGED_WARP_COLUMNS", {("fwd", elem): (512, 2048)})
-    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {("fwd", elem): (8191, 1 << 62)})
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {("fwd", elem): (8191, math.inf)})
     assert _catalog.staged_config("fwd", 512, elem, 90, 227 * 1024) is None
     assert _catalog.staged_config("bwd", 1024, elem, 90, 227 * 1024) is None
     expressions = _catalog.expressions("softmax.cu", "bf16_t", 80)
@@ -213,7 +214,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     x = torch.randn(4, 300)
     softmax.forward(x, torch.empty_like(x), True)
     softmax.backward(x, x, torch.empty_like(x), False)
-    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {("fwd", 4): (255, 1 << 62), ("bwd", 4): (255, 1 << 62)})
+    monkeypatch.setattr(_catalog, "STAGED_BLOCK_COLUMNS", {("fwd", 4): (255, math.inf), ("bwd", 4): (255, math.inf)})
     for cluster in (1, 2):
         monkeypatch.setattr(_catalog, "STAGED_CLUSTERS", (cluster,))
         softmax.forward(x, torch.empty_like(x), True)

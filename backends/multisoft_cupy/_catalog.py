@@ -6,6 +6,7 @@ name expressions listed here, so every launchable kernel is compiled in CI.
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import NamedTuple
 
@@ -102,7 +103,7 @@ STAGED_CLUSTERS = (1, 2, 4, 8)
 # backward is faster in registers; the forward of 16384 columns 0.80 -> 0.90 of copy (float32), 0.81 -> 0.85
 # (bf16); float32 rows of 8192 and of 32768 stay in registers (0.92 against 0.90 at 8192), float32 rows from
 # 65536 are split (SPLIT_MIN_COLUMNS) up to lengths whose slices no longer fit.
-STAGED_BLOCK_COLUMNS = {("fwd", 4): (8192, 16384), ("fwd", 2): (8192, 1 << 62), ("bwd", 2): (65536, 1 << 62)}
+STAGED_BLOCK_COLUMNS = {("fwd", 4): (8192, 16384), ("fwd", 2): (8192, math.inf), ("bwd", 2): (65536, math.inf)}
 STAGED_BLOCK_THREADS = {"fwd": 512, "bwd": 256}
 # A warp per row, STAGED_WARP_ROWS rows per block, for low < columns <= high, by (direction, element size):
 # where it measured faster than the register kernels on an H200 (cupy-staged-warps-round1.txt,
