@@ -376,7 +376,8 @@ def test_tune_scripts_set_only_settings_that_exist(monkeypatch):
     checked = 0
     for script in sorted((ROOT / "benchmarks" / "tune").glob("*.sh")):
         text = script.read_text()
-        aliases = {alias: module for module, alias in re.findall(r"import (multisoft_[\w.]+) as (\w+)", text)}
+        # "import a as x" and "import a as x, b as y"
+        aliases = {alias: module for module, alias in re.findall(r"\b(multisoft_[\w.]+) as (\w+)", text)}
         for alias, name in sorted(set(re.findall(r"\b(\w+)\.([A-Z][A-Z0-9_]*) =", text))):
             assert alias in aliases, f"{script.name}: {alias}.{name} without an import of {alias}"
             assert hasattr(importlib.import_module(aliases[alias]), name), f"{script.name}: {aliases[alias]}.{name}"
