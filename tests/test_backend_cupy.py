@@ -85,6 +85,14 @@ def blocksparse_reference(x, layout, block, scale, is_causal):
     return y.view(z, heads, mb, block, nb, block)[:, nz[:, 0], nz[:, 1], :, nz[:, 2], :].transpose(0, 1)
 
 
+def blocksparse_backward_reference(y, dy, lut, scale):
+    """scale * y * (dy - sum_row(y * dy)) in float64 over the compressed blocks, each row's sum over its block-row."""
+    y64, dy64 = y.double(), dy.double()
+    rowdot = torch.zeros(y.shape[0], lut.heads * lut.block_rows, lut.block, dtype=torch.float64, device=y.device)
+    rowdot.index_add_(1, lut.rows.long(), (y64 * dy64).sum(-1))
+    return scale * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None])
+
+
 def random_layout(heads, mb, nb, generator=None, empty_row=True):
     layout = (torch.rand(heads, mb, nb, generator=generator) < 0.4).long()
     layout[:, :, 0] = 1
@@ -494,10 +502,7 @@ def test_blocksparse_causal_matches_float64(block, dtype):
         check(y, ref, dtype, f"blocksparse causal={causal}")
         dx = torch.empty_like(x)
         blocksparse.backward(y, dy, dx, lut, 0.5)
-        y64, dy64 = y.double(), dy.double()
-        rowdot = torch.zeros(3, lut.heads * lut.block_rows, block, dtype=torch.float64, device=_device())
-        rowdot.index_add_(1, lut.rows.long(), (y64 * dy64).sum(-1))
-        check(dx, 0.5 * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None]), dtype, "blocksparse backward")
+        check(dx, blocksparse_backward_reference(y, dy, lut, 0.5), dtype, "blocksparse backward")
 
 
 @gpu
@@ -540,10 +545,7 @@ def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
         dx_storage = torch.empty_like(storage)
         dx = dx_storage[1:].view(shape) if unaligned else dx_storage[:-1].view(shape)
         blocksparse.backward(y, dy, dx, lut, 0.5)
-        y64, dy64 = y.double(), dy.double()
-        rowdot = torch.zeros(2, lut.heads * lut.block_rows, 16, dtype=torch.float64, device=_device())
-        rowdot.index_add_(1, lut.rows.long(), (y64 * dy64).sum(-1))
-        check(dx, 0.5 * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None]), dtype, "backward")
+        check(dx, blocksparse_backward_reference(y, dy, lut, 0.5), dtype, "backward")
 
 
 @gpu
@@ -568,10 +570,7 @@ def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
               f"forward causal={causal} scale={scale}")
         dx = torch.empty_like(x)
         blocksparse.backward(y, dy, dx, lut, scale)
-        y64, dy64 = y.double(), dy.double()
-        rowdot = torch.zeros(2, lut.heads * lut.block_rows, 16, dtype=torch.float64, device=_device())
-        rowdot.index_add_(1, lut.rows.long(), (y64 * dy64).sum(-1))
-        check(dx, scale * y64 * (dy64 - rowdot[:, lut.rows.long()][..., None]), dtype, "backward")
+        check(dx, blocksparse_backward_reference(y, dy, lut, scale), dtype, "backward")
 
 
 # ---- measured exceptions (SOFTMAX_RULES, CE_FWD_RULES) and register-capped configurations ----
