@@ -122,18 +122,6 @@ __device__ __forceinline__ BsRow bs_row(const int* offsets, i64 rid, i64 nnz, i6
     return row;
 }
 
-// Lanes of a warp share one row: its max, then its sum.
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(MS_FULL_MASK, v, o);
-    return v;
-}
-
 // softmax(scale * x) of one row. MASKED: masked elements (causal, past the row's end) are chosen element by
 // element, for any scale; else the vectors past the row's end are filled with a value that scale takes to -inf
 // (scale != 0).

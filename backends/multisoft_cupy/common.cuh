@@ -252,6 +252,18 @@ __device__ __forceinline__ Stats stats_shift(Stats p, float new_max) {
     return p;
 }
 
+// One value's max and sum over the 32 lanes of a warp (every lane gets the result).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(MS_FULL_MASK, v, o);
+    return v;
+}
+
 template <int WIDTH>
 __device__ __forceinline__ Stats warp_reduce(Stats v) {
 #pragma unroll

@@ -511,8 +511,7 @@ __global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T
     arrive_and_wait(counters + (row + 1) * MS_COUNTER_STRIDE, chunks);
     float dot = 0.f;
     for (int p = threadIdx.x % 32; p < chunks; p += 32) dot += load_relaxed(partial + row * chunks + p);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(MS_FULL_MASK, dot, o);
+    dot = warp_sum(dot);
     float out[TL::EPT];
 #pragma unroll
     for (int e = 0; e < TL::EPT; ++e) {
