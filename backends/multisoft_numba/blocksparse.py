@@ -52,14 +52,14 @@ def _jit(threads):
 
 @device_function
 def _row_place(z, row, offsets, nnz, log2b, log2v):
-    """(first block of the row's block-row, its block count, block-row g, row i in the block,
+    """(first block of the row's block-row, the row's vector count, block-row g, row i in the block,
     vector offset of row i of the first block) for row (g, i) of batch entry z."""
     i = row & ((int64(1) << log2b) - 1)
     group = row >> log2b
     first = int64(offsets[group])
-    blocks = int64(offsets[group + 1]) - first
+    n_vectors = (int64(offsets[group + 1]) - first) << log2v
     base = (((z * nnz + first) << log2b) + i) << log2v
-    return first, blocks, group, i, base
+    return first, n_vectors, group, i, base
 
 
 @device_function
@@ -112,8 +112,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
-                first, blocks, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
-                n_vectors = blocks << log2v
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 row = ((group % block_rows) << log2b) + i if causal else int64(0)   # absolute row (causal)
                 tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
@@ -198,8 +197,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
-                first, blocks, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
-                n_vectors = blocks << log2v
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 tiles = (n_vectors + tile - 1) // tile
                 dot = float32(0.0)
                 lost = float32(0.0)
