@@ -21,10 +21,12 @@ row) and masks the elements past the diagonal.
 import functools
 
 import numpy
-from numba import cuda, float32, int64, uint64
+from numba import cuda, float32, int32, int64, uint64
 
-from ._device import NEG_INF, expf, kahan_add, lanes_online_merge, lanes_sum, nan_max, row_io
+from ._device import (BF16, HALF_SHIFT, LOW_HALF, NEG_INF, expf, fresh_shift, kahan_add, lanes_online_merge,
+                      lanes_sum, nan_max, packed_io, packed_max, packed_pad, row_io, share_shift)
 from ._glue import SIMULATOR, device_function, launch, vector_views
+from ._intrinsics import vector_access
 
 # Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and dy, backward, by
 # element size: the smallest choice whose tile holds the layout's mean row, else the largest. Each is rounded up
@@ -33,6 +35,10 @@ from ._glue import SIMULATOR, device_function, launch, vector_views
 # to 0.90-0.96 on the 25 % layouts and lost in bf16 (32 and 48 need 150-216 registers there).
 FORWARD_FLOATS = {4: (16,), 2: (16,)}
 BACKWARD_FLOATS = {4: (16, 32), 2: (16,)}
+# 16-bit rows read in pairs are held as their words (two values a register, _device.packed_io), forward (positive
+# scale) and backward, with these values per lane, chosen as above: rows of the mean length read once.
+PACK_16BIT = True
+PACKED_VALUES = {"forward": (32, 48, 64), "backward": (32, 48, 64)}
 WARPS = 4              # rows (warps) per thread block on the GPU
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
@@ -219,6 +225,202 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
     return blocksparse_backward
 
 
+@functools.cache
+def _packed_tile_load(fmt, width, values, lanes):
+    """load(array, words, tmp, base, t, lane, n_vectors, log2b, log2v, pad): tile t's words of a 16-bit row held
+    as its words (_device.packed_io), `values` elements per lane, into `words` (`pad` past the row's end)."""
+    vectors = values // width
+    count = width // 2
+    tile = lanes * vectors
+    load_words, _ = vector_access(count)
+
+    @device_function
+    def load(array, words, tmp, base, t, lane, n_vectors, log2b, log2v, pad):
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v < n_vectors:
+                load_words(array, _vector_at(base, v, log2b, log2v), tmp)
+                for j in range(count):
+                    words[k * count + j] = tmp[j]
+            else:
+                for j in range(count):
+                    words[k * count + j] = pad
+
+    return load
+
+
+@functools.cache
+def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
+    """The forward for 16-bit rows read in pairs and a positive scale, `values` elements per lane held as their
+    words (two a register, _device.packed_io): twice the row in registers of the float kernel, so that rows
+    of the layout's mean length are read once. Masked elements get -inf bits, which a positive scale keeps
+    -inf; the output takes each exponential again, from words unpacked with a shift the compiler cannot see
+    (the first pass's floats are not kept)."""
+    vectors = values // width
+    count = width // 2
+    held = values // 2   # words per lane
+    tile = lanes * vectors
+    load = _packed_tile_load(fmt, width, values, lanes)
+    _, unpack = packed_io(fmt, width, vectors)
+    _, write = row_io(fmt, width)
+    pair_max, word_max = packed_max(fmt)
+    pad = packed_pad(fmt, NEG_INF)
+    neg_bits = int32(0xFF80 if fmt == BF16 else 0xFC00)
+
+    @device_function
+    def mask_past(words, t, lane, n_vectors, log2b, log2v, columns, first, row):
+        """-inf bits for the elements of tile t past absolute column `row` (the diagonal)."""
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v < n_vectors:
+                column = ((int64(columns[uint64(first + (v >> log2v))]) << log2b)
+                          + (v & ((int64(1) << log2v) - 1)) * width)
+                if column + width - 1 > row:
+                    for j in range(width):
+                        if column + j > row:
+                            at = k * count + j // 2
+                            place = HALF_SHIFT * (j % 2)
+                            words[at] = int32((words[at] & ~(LOW_HALF << place)) | (neg_bits << place))
+
+    @device_function
+    def store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, scale, row_m, inv_s, shift):
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v < n_vectors:
+                for j in range(width):
+                    vec[j] = expf(unpack(words, k * width + j, shift) * scale - row_m) * inv_s
+                write(out, _vector_at(base, v, log2b, log2v), vec, 0)
+
+    @device_function
+    def store_zeros(out, vec, base, t, lane, n_vectors, log2b, log2v):
+        for j in range(width):
+            vec[j] = float32(0.0)
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v < n_vectors:
+                write(out, _vector_at(base, v, log2b, log2v), vec, 0)
+
+    @_jit(lanes * warps)
+    def blocksparse_forward_packed(x, out, offsets, columns, batch, rows, nnz, block_rows, log2b, log2v, scale):
+        slot = cuda.shared.array(1, int32)
+        share_shift(slot)
+        cuda.syncthreads()
+        shift = fresh_shift(slot)
+        lane = int64(cuda.threadIdx.x % lanes)
+        words = cuda.local.array(held, int32)
+        tmp = cuda.local.array(count, int32)
+        vec = cuda.local.array(width, float32)
+        z = int64(cuda.blockIdx.y)
+        while z < batch:
+            row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
+            while row_id < rows:
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
+                row = ((group % block_rows) << log2b) + i if causal else int64(0)   # absolute row (causal)
+                tiles = (n_vectors + tile - 1) // tile
+                # pass 1: the lane's running (max m, sum s) of the scores
+                m = NEG_INF
+                s = float32(0.0)
+                for t in range(tiles):
+                    load(x, words, tmp, base, t, lane, n_vectors, log2b, log2v, pad)
+                    if causal:
+                        mask_past(words, t, lane, n_vectors, log2b, log2v, columns, first, row)
+                    w = words[0]
+                    for q in range(1, held):
+                        w = pair_max(w, words[q])
+                    top = word_max(w) * scale
+                    if top > m or top != top:
+                        s *= expf(m - top)
+                        m = top
+                    if m != NEG_INF:   # nothing but -inf so far: nothing to add
+                        acc = float32(0.0)
+                        for k in range(values):
+                            acc += expf(unpack(words, k, HALF_SHIFT) * scale - m)
+                        s += acc
+                row_m, row_s = lanes_online_merge(m, s)
+                if row_m == NEG_INF:   # every element masked or -inf: zeros
+                    for t in range(tiles):
+                        store_zeros(out, vec, base, t, lane, n_vectors, log2b, log2v)
+                else:
+                    inv_s = float32(1.0) / row_s
+                    # pass 2: the last tile from registers, the others read again
+                    if tiles > 0:
+                        store_tile(out, words, vec, base, tiles - 1, lane, n_vectors, log2b, log2v, scale, row_m,
+                                   inv_s, shift)
+                    for t in range(tiles - 1):
+                        load(x, words, tmp, base, t, lane, n_vectors, log2b, log2v, pad)
+                        if causal:
+                            mask_past(words, t, lane, n_vectors, log2b, log2v, columns, first, row)
+                        store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, scale, row_m, inv_s,
+                                   shift)
+                row_id += int64(cuda.gridDim.x) * warps
+            z += int64(cuda.gridDim.y)
+
+    return blocksparse_forward_packed
+
+
+@functools.cache
+def _backward_packed_kernel(fmt, width, values, lanes, warps):
+    """The backward for 16-bit rows read in pairs, `values` elements of y and of dy per lane held as their words
+    (two a register): rows of the layout's mean length read once, where floats held half as many. The output
+    unpacks the words again with a shift the compiler cannot see (the first pass's floats are not kept)."""
+    vectors = values // width
+    count = width // 2
+    held = values // 2   # words per lane
+    tile = lanes * vectors
+    load = _packed_tile_load(fmt, width, values, lanes)
+    _, unpack = packed_io(fmt, width, vectors)
+    _, write = row_io(fmt, width)
+
+    @device_function
+    def store_tile(dx, ys, gs, vec, base, t, lane, n_vectors, log2b, log2v, dot, scale, shift):
+        """dx = scale * y * (dy - dot) over tile t."""
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v < n_vectors:
+                for j in range(width):
+                    at = k * width + j
+                    vec[j] = scale * unpack(ys, at, shift) * (unpack(gs, at, shift) - dot)
+                write(dx, _vector_at(base, v, log2b, log2v), vec, 0)
+
+    @_jit(lanes * warps)
+    def blocksparse_backward_packed(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, scale):
+        slot = cuda.shared.array(1, int32)
+        share_shift(slot)
+        cuda.syncthreads()
+        shift = fresh_shift(slot)
+        lane = int64(cuda.threadIdx.x % lanes)
+        ys = cuda.local.array(held, int32)
+        gs = cuda.local.array(held, int32)
+        tmp = cuda.local.array(count, int32)
+        vec = cuda.local.array(width, float32)
+        z = int64(cuda.blockIdx.y)
+        while z < batch:
+            row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
+            while row_id < rows:
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
+                tiles = (n_vectors + tile - 1) // tile
+                dot = float32(0.0)
+                lost = float32(0.0)
+                for t in range(tiles):
+                    load(y, ys, tmp, base, t, lane, n_vectors, log2b, log2v, int32(0))
+                    load(dy, gs, tmp, base, t, lane, n_vectors, log2b, log2v, int32(0))
+                    acc = float32(0.0)
+                    for k in range(values):
+                        acc += unpack(ys, k, HALF_SHIFT) * unpack(gs, k, HALF_SHIFT)
+                    dot, lost = kahan_add(dot, lost, acc)
+                dot = lanes_sum(dot - lost)
+                if tiles > 0:
+                    store_tile(dx, ys, gs, vec, base, tiles - 1, lane, n_vectors, log2b, log2v, dot, scale, shift)
+                for t in range(tiles - 1):
+                    load(y, ys, tmp, base, t, lane, n_vectors, log2b, log2v, int32(0))
+                    load(dy, gs, tmp, base, t, lane, n_vectors, log2b, log2v, int32(0))
+                    store_tile(dx, ys, gs, vec, base, t, lane, n_vectors, log2b, log2v, dot, scale, shift)
+                row_id += int64(cuda.gridDim.x) * warps
+            z += int64(cuda.gridDim.y)
+
+    return blocksparse_backward_packed
+
+
 def _floats(choices, row: int, lanes: int, width: int) -> int:
     """Values per lane: among `choices`, each rounded up to a multiple of width, the fewest
     whose tile holds `row` elements, else the most."""
@@ -226,18 +428,26 @@ def _floats(choices, row: int, lanes: int, width: int) -> int:
     return next((floats for floats in rounded if floats * lanes >= row), rounded[-1])
 
 
-def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int):
+def _packed(width: int, element_size: int) -> bool:
+    """Whether 16-bit rows are held as their words: read in pairs (width >= 2) and PACK_16BIT."""
+    return PACK_16BIT and element_size == 2 and width >= 2
+
+
+def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int, positive_scale: bool = True):
     """(lanes per row, rows per thread block, grid, values per lane forward, backward) for `batch` times `rows`
-    rows of `row` elements on average read in vectors of `width`."""
+    rows of `row` elements on average read in vectors of `width`; 16-bit rows held as words (_packed) take
+    PACKED_VALUES, the forward only with a positive scale."""
     if SIMULATOR:
         floats = _floats((SIMULATOR_FLOATS,), row, SIMULATOR_LANES, width)
         return SIMULATOR_LANES, 1, (max(1, min(rows, SIMULATOR_GRID)), 1), floats, floats
+    packed = _packed(width, element_size)
+    forward = PACKED_VALUES["forward"] if packed and positive_scale else FORWARD_FLOATS[element_size]
+    backward = PACKED_VALUES["backward"] if packed else BACKWARD_FLOATS[element_size]
     return (32, WARPS, (max(1, min(-(-rows // WARPS), MAX_GRID)), max(1, min(batch, MAX_GRID_Y))),
-            _floats(FORWARD_FLOATS[element_size], row, 32, width),
-            _floats(BACKWARD_FLOATS[element_size], row, 32, width))
+            _floats(forward, row, 32, width), _floats(backward, row, 32, width))
 
 
-def _common(tensors, lut):
+def _common(tensors, lut, positive_scale=True):
     """(element format, vector width (at most B: no vector crosses blocks), 1-D word views,
     launch shape, sizes: batch, rows per batch entry, nnz, log2 B, log2 of the vectors per block row)."""
     fmt, width, views = vector_views(tuple(t.view(-1) for t in tensors), lut.block)
@@ -245,16 +455,19 @@ def _common(tensors, lut):
     rows = lut.heads * lut.block_rows * lut.block
     log2b = lut.block.bit_length() - 1
     sizes = (batch, rows, lut.nnz, log2b, log2b - (width.bit_length() - 1))
-    shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size())
+    shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size(),
+                          positive_scale)
     return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     if x.numel() == 0:
         return
-    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut)
+    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, scale > 0)
     lanes, warps, grid, floats, _ = shape
-    launch(_forward_kernel(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
+    # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
+    build = _forward_packed_kernel if _packed(width, x.element_size()) and scale > 0 else _forward_kernel
+    launch(build(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
            (*views, lut.offsets, lut.columns, batch, rows, nnz, numpy.int64(lut.block_rows), log2b, log2v,
             numpy.float32(scale)))
 
@@ -263,5 +476,6 @@ def backward(y, dy, dx, lut, scale: float) -> None:
     if y.numel() == 0:
         return
     fmt, width, views, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
-    launch(_backward_kernel(fmt, width, floats, lanes, warps), grid, lanes * warps,
+    build = _backward_packed_kernel if _packed(width, y.element_size()) else _backward_kernel
+    launch(build(fmt, width, floats, lanes, warps), grid, lanes * warps,
            (*views, lut.offsets, *sizes, numpy.float32(scale)))

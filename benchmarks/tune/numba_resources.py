@@ -90,12 +90,16 @@ def blocksparse_configurations():
     for fmt, name, width in ((FP32, "fp32", 4), (BF16, "bf16", 8)):
         arr = words[fmt]
         lanes, warps, _, forward, backward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width)
+        packed = blocksparse._packed(width, 16 // width)
+        build_forward = blocksparse._forward_packed_kernel if packed else blocksparse._forward_kernel
+        build_backward = blocksparse._backward_packed_kernel if packed else blocksparse._backward_kernel
+        tag = "-words" if packed else ""
         for causal in (False, True):
-            found.append((f"bs-fwd-{name}{'-causal' if causal else ''}-{forward}",
-                          blocksparse._forward_kernel(fmt, width, causal, forward, lanes, warps),
+            found.append((f"bs-fwd-{name}{'-causal' if causal else ''}{tag}-{forward}",
+                          build_forward(fmt, width, causal, forward, lanes, warps),
                           (arr, arr, table, table, *sizes, types.int64, types.int64, types.float32),
                           lanes * warps))
-        found.append((f"bs-bwd-{name}-{backward}", blocksparse._backward_kernel(fmt, width, backward, lanes, warps),
+        found.append((f"bs-bwd-{name}{tag}-{backward}", build_backward(fmt, width, backward, lanes, warps),
                       (arr, arr, arr, table, *sizes, types.int64, types.float32), lanes * warps))
     return found
 
