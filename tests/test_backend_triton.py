@@ -259,15 +259,19 @@ def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("backward_kernels", ["rows", "tiles"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, monkeypatch):
-    """Block-rows of 1..47 blocks (and an empty one) in launches by length, the longest on the loop path."""
+def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, backward_kernels, monkeypatch):
+    """Block-rows of 1..47 blocks (and an empty one) in launches by length, the longest on the loop path; the
+    backward on the tile and loop kernels, or on the row kernels holding 8 blocks (most rows streamed)."""
     import multisoft
     from multisoft._blocksparse import lookup_table
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
     from multisoft_triton import blocksparse
 
+    monkeypatch.setattr(blocksparse, "ROW_BACKWARD", backward_kernels)
+    monkeypatch.setattr(blocksparse, "ROW_CHUNK", 128)
     monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {"forward": {4: 0.0, 2: 0.0}, "backward": {4: 0.0, 2: 0.0}})
     monkeypatch.setattr(blocksparse, "TILE_MAX", 512)  # rows of more than 32 blocks of 16 take the loop path
     block, heads, block_rows, block_cols = 16, 2, 24, 48

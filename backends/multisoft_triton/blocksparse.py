@@ -143,6 +143,76 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, bl
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+# Backward row kernels: a program holds ROW_WARPS rows of one block-row (a warp each), the first BLOCKS blocks of
+# each in registers and the rest, if any, streamed twice (for the dot, then for the output); no power-of-two
+# padding of whole rows, which the tile kernels pay on layouts whose block-rows differ in length (causal).
+# BLOCKS covers the layout's mean row up to ROW_CHUNK elements, so a row longer than that re-reads its tail.
+ROW_BACKWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels
+ROW_CHUNK = 512
+ROW_WARPS = 4
+
+
+@triton.jit
+def _row_program(offsets_ptr, block_rows, ROWS: tl.constexpr, B: tl.constexpr):
+    """This program's block-row (within its head), its first block, its block count, and its rows in the block."""
+    PARTS: tl.constexpr = B // ROWS
+    pid = tl.program_id(0)
+    group = pid // PARTS
+    i = (pid % PARTS) * ROWS + tl.arange(0, ROWS)
+    start = tl.load(offsets_ptr + group)
+    count = tl.load(offsets_ptr + group + 1) - start
+    return group % block_rows, start, count, i
+
+
+@triton.jit
+def _row_slab(start, count, i, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+    """Offsets and mask of the [ROWS, BLOCKS, B] slab of rows i (of the block-row that starts at block `start` and
+    has `count` blocks) from block first_block."""
+    k = first_block + tl.arange(0, BLOCKS)
+    j = tl.arange(0, B)
+    z = tl.program_id(1).to(tl.int64)
+    base = (z * nnz + start + k) * (B * B)
+    offsets = base[None, :, None] + (i * B)[:, None, None] + j[None, None, :]
+    return offsets, (k < count)[None, :, None]
+
+
+@triton.jit
+def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale,
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+    _, start, count, i = _row_program(offsets_ptr, block_rows, ROWS, B)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    dot = tl.sum(tl.sum(y0 * dy0, axis=2), axis=1)
+    for first in range(BLOCKS, count, BLOCKS):
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        dot += tl.sum(tl.sum(y * dy, axis=2), axis=1)
+    for first in range(BLOCKS, count, BLOCKS):
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        dx = scale * y * (dy - dot[:, None, None])
+        tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    dx0 = scale * y0 * (dy0 - dot[:, None, None])
+    tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_rows(kernel, lut, tensors, scale, **constexprs):
+    """One program per ROW_WARPS rows of a block-row, a warp a row; BLOCKS covers the mean row, up to ROW_CHUNK."""
+    block = lut.block
+    blocks = max(1, min(next_power_of_2(lut.mean_blocks), ROW_CHUNK // block))
+    rows = min(block, ROW_WARPS)
+    with on_device(tensors[0]):
+        for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
+            part = [t[first:first + MAX_GRID_Z] for t in tensors]
+            grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
+            kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale),
+                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
+
+
 def _plan(blocks, block):
     """(tile?, blocks per slab, rows per program) for block-rows of up to `blocks` (a power of 2) blocks."""
     widest = blocks * block
@@ -218,5 +288,8 @@ def forward(x, out, lut, scale, is_causal):
 def backward(y, dy, dx, lut, scale):
     """dx = scale * y * (dy - sum_row(y * dy))."""
     if y.numel() == 0 or lut.max_blocks == 0:
+        return
+    if ROW_BACKWARD == "rows":
+        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale)
         return
     _launch((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale, "backward")
