@@ -337,22 +337,25 @@ def test_packed_16bit_rows_on_every_path_and_cache(dtype):
 
 def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
     """On a GPU, the first choice whose tile (32 lanes) holds the layout's mean row: float32 backward rows of 1040
-    elements on average take 32 values per lane (16 hold 512), rows of 467 take 16, the forward 16; 16-bit rows
-    read in pairs are held as words, 48 values for rows of 1040 (32 hold 1024), 32 for 467, 64 for rows longer
-    than any choice holds; the forward only with a positive scale, else as floats, as rows read one element at
-    a time."""
+    elements on average take 32 values per lane (16 hold 512), rows of 467 take 16, the forward 16. 16-bit rows
+    read in pairs are held as words: the forward 48 values for rows of 1040 (32 hold 1024), 32 for 467, 64 for
+    rows longer than any choice holds, 32 when causal; the backward the most whose tile the mean row fills (32
+    for 1040, 64 for 2100, 32 for 467). The forward with a scale that is not positive, and rows read one element at
+    a time, take the floats."""
     from multisoft_numba import blocksparse
 
     monkeypatch.setattr(blocksparse, "SIMULATOR", False)
-    assert blocksparse._launch_shape(1, 4096, 1040.0, 4, 4)[3:] == (16, 32)
-    assert blocksparse._launch_shape(1, 4096, 467.0, 4, 4)[3:] == (16, 16)
-    assert blocksparse._launch_shape(1, 4096, 1040.0, 8, 2)[3:] == (48, 48)
-    assert blocksparse._launch_shape(1, 4096, 467.0, 8, 2)[3:] == (32, 32)
-    assert blocksparse._launch_shape(1, 4096, 5000.0, 8, 2)[3:] == (64, 64)
-    assert blocksparse._launch_shape(1, 4096, 1040.0, 8, 2, positive_scale=False)[3:] == (16, 48)
-    assert blocksparse._launch_shape(1, 4096, 1040.0, 1, 2)[3:] == (16, 16)
+    shape = blocksparse._launch_shape
+    assert shape(1, 4096, 1040.0, 4, 4)[3:] == (16, 32)
+    assert shape(1, 4096, 467.0, 4, 4)[3:] == (16, 16)
+    assert shape(1, 4096, 1040.0, 8, 2)[3:] == (48, 32)
+    assert shape(1, 4096, 1040.0, 8, 2, causal=True)[3:] == (32, 32)
+    assert shape(1, 4096, 2100.0, 8, 2)[3:] == (64, 64)
+    assert shape(1, 4096, 467.0, 8, 2)[3:] == (32, 32)
+    assert shape(1, 4096, 1040.0, 8, 2, positive_scale=False)[3:] == (16, 32)
+    assert shape(1, 4096, 1040.0, 1, 2)[3:] == (16, 16)
     monkeypatch.setattr(blocksparse, "PACK_16BIT", False)
-    assert blocksparse._launch_shape(1, 4096, 1040.0, 8, 2)[3:] == (16, 16)
+    assert shape(1, 4096, 1040.0, 8, 2)[3:] == (16, 16)
 
 
 @needs_backend

@@ -271,7 +271,8 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, backward_kernels, 
     from multisoft_triton import blocksparse
 
     monkeypatch.setattr(blocksparse, "ROW_BACKWARD", backward_kernels)
-    monkeypatch.setattr(blocksparse, "ROW_CHUNK", 128)
+    monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
+    monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
     monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {"forward": {4: 0.0, 2: 0.0}, "backward": {4: 0.0, 2: 0.0}})
     monkeypatch.setattr(blocksparse, "TILE_MAX", 512)  # rows of more than 32 blocks of 16 take the loop path
     block, heads, block_rows, block_cols = 16, 2, 24, 48
@@ -291,6 +292,24 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, backward_kernels, 
     expected, magnitude = reference_blocksparse_backward(y, dy, layout, block, 0.5)
     _, ratio = error_ratio(dx, expected, dtype, magnitude)
     assert ratio <= 1, f"backward: {ratio:.3g} x the tolerance"
+
+
+def test_blocksparse_backward_row_kernels_hold_by_the_mean_row():
+    """The backward's row kernels hold 512 elements of each row (at least 8 float32 or 4 16-bit blocks, at most the
+    power of two covering the mean row), 1024 from a mean row of 2048; float32 layouts with such rows take the
+    tile kernels."""
+    from multisoft._blocksparse import lookup_table
+    from multisoft_triton import blocksparse
+
+    def layout(block_cols, blocks_per_row):
+        return (torch.arange(block_cols)[None, None, :] < blocks_per_row).expand(2, 8, -1).long()
+
+    for block, cols, per_row, size, held in ((16, 256, 64, 4, 32), (64, 64, 16, 4, 8), (128, 32, 9, 4, 8),
+                                             (128, 32, 9, 2, 4), (64, 64, 32, 2, 16), (64, 64, 3, 4, 4),
+                                             (16, 8, 1, 2, 1)):
+        lut = lookup_table(layout(cols, per_row), block, "cpu")
+        assert blocksparse._row_blocks(lut, size) == held, (block, per_row, size)
+    assert blocksparse.TILES_FROM[4] == 2048 and blocksparse.TILES_FROM[2] == float("inf")
 
 
 def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():

@@ -36,7 +36,12 @@ from ._intrinsics import vector_access
 FORWARD_FLOATS = {4: (16,), 2: (16,)}
 BACKWARD_FLOATS = {4: (16, 32), 2: (16,)}
 # 16-bit rows read in pairs are held as their words (two values a register, _device.packed_io), forward (positive
-# scale) and backward, with these values per lane, chosen as above: rows of the mean length read once.
+# scale) and backward, with these values per lane: the forward's as above (its causal kernel the fewest), the
+# backward's the most whose tile the mean row fills (else the fewest). Measured on an H200
+# (tuning/numba-blocksparse-words-round1.txt), bf16 against floats: backward 0.64-0.81 -> 0.75-0.93, forward
+# 0.60-0.68 -> 0.75-0.83 (causal 0.51-0.57 -> 0.56-0.72); 32 values against 48 on the causal layouts (forward
+# 0.46-0.63 -> 0.56-0.72, backward 0.70-0.86 -> 0.75-0.89), 64 against 32 where the mean row is 2048 (backward
+# 0.72-0.78 -> 0.87-0.90).
 PACK_16BIT = True
 PACKED_VALUES = {"forward": (32, 48, 64), "backward": (32, 48, 64)}
 WARPS = 4              # rows (warps) per thread block on the GPU
@@ -421,10 +426,13 @@ def _backward_packed_kernel(fmt, width, values, lanes, warps):
     return blocksparse_backward_packed
 
 
-def _floats(choices, row: int, lanes: int, width: int) -> int:
+def _floats(choices, row: int, lanes: int, width: int, filled: bool = False) -> int:
     """Values per lane: among `choices`, each rounded up to a multiple of width, the fewest
-    whose tile holds `row` elements, else the most."""
+    whose tile holds `row` elements, else the most; `filled`: the most whose tile `row`
+    elements fill, else the fewest."""
     rounded = sorted({-(-floats // width) * width for floats in choices})
+    if filled:
+        return next((floats for floats in reversed(rounded) if floats * lanes <= row), rounded[0])
     return next((floats for floats in rounded if floats * lanes >= row), rounded[-1])
 
 
@@ -433,21 +441,28 @@ def _packed(width: int, element_size: int) -> bool:
     return PACK_16BIT and element_size == 2 and width >= 2
 
 
-def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int, positive_scale: bool = True):
+def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int, positive_scale: bool = True,
+                  causal: bool = False):
     """(lanes per row, rows per thread block, grid, values per lane forward, backward) for `batch` times `rows`
     rows of `row` elements on average read in vectors of `width`; 16-bit rows held as words (_packed) take
     PACKED_VALUES, the forward only with a positive scale."""
     if SIMULATOR:
         floats = _floats((SIMULATOR_FLOATS,), row, SIMULATOR_LANES, width)
         return SIMULATOR_LANES, 1, (max(1, min(rows, SIMULATOR_GRID)), 1), floats, floats
-    packed = _packed(width, element_size)
-    forward = PACKED_VALUES["forward"] if packed and positive_scale else FORWARD_FLOATS[element_size]
-    backward = PACKED_VALUES["backward"] if packed else BACKWARD_FLOATS[element_size]
-    return (32, WARPS, (max(1, min(-(-rows // WARPS), MAX_GRID)), max(1, min(batch, MAX_GRID_Y))),
-            _floats(forward, row, 32, width), _floats(backward, row, 32, width))
+    grid = (max(1, min(-(-rows // WARPS), MAX_GRID)), max(1, min(batch, MAX_GRID_Y)))
+    if not _packed(width, element_size):
+        return (32, WARPS, grid, _floats(FORWARD_FLOATS[element_size], row, 32, width),
+                _floats(BACKWARD_FLOATS[element_size], row, 32, width))
+    if not positive_scale:
+        forward = _floats(FORWARD_FLOATS[element_size], row, 32, width)
+    elif causal:
+        forward = _floats(PACKED_VALUES["forward"], 0, 32, width)
+    else:
+        forward = _floats(PACKED_VALUES["forward"], row, 32, width)
+    return 32, WARPS, grid, forward, _floats(PACKED_VALUES["backward"], row, 32, width, filled=True)
 
 
-def _common(tensors, lut, positive_scale=True):
+def _common(tensors, lut, positive_scale=True, causal=False):
     """(element format, vector width (at most B: no vector crosses blocks), 1-D word views,
     launch shape, sizes: batch, rows per batch entry, nnz, log2 B, log2 of the vectors per block row)."""
     fmt, width, views = vector_views(tuple(t.view(-1) for t in tensors), lut.block)
@@ -456,14 +471,14 @@ def _common(tensors, lut, positive_scale=True):
     log2b = lut.block.bit_length() - 1
     sizes = (batch, rows, lut.nnz, log2b, log2b - (width.bit_length() - 1))
     shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size(),
-                          positive_scale)
+                          positive_scale, causal)
     return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     if x.numel() == 0:
         return
-    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, scale > 0)
+    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, scale > 0, is_causal)
     lanes, warps, grid, floats, _ = shape
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
     build = _forward_packed_kernel if _packed(width, x.element_size()) and scale > 0 else _forward_kernel

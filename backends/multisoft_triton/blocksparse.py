@@ -143,12 +143,19 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, columns_ptr, rows, nnz, bl
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# Backward row kernels: a program holds ROW_WARPS rows of one block-row (a warp each), the first BLOCKS blocks of
-# each in registers and the rest, if any, streamed twice (for the dot, then for the output); no power-of-two
-# padding of whole rows, which the tile kernels pay on layouts whose block-rows differ in length (causal).
-# BLOCKS covers the layout's mean row up to ROW_CHUNK elements, so a row longer than that re-reads its tail.
-ROW_BACKWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels
-ROW_CHUNK = 512
+# Backward row kernels: a program holds ROW_WARPS rows of one block-row (a warp each), the first blocks of each in
+# registers and the rest, if any, streamed twice (for the dot, then for the output); no power-of-two padding of
+# whole rows, which the tile kernels pay on layouts whose block-rows differ in length (causal). A row holds
+# ROW_HELD elements (ROW_HELD_LONG where the layout's mean row is ROW_LONG or more), at least ROW_MIN_BLOCKS blocks
+# by element size, at most the power of two covering its mean row. Float32 layouts whose mean row is TILES_FROM
+# or more take the tile kernels. Measured on an H200 in sessions 14 and 15 (tuning/triton-blocksparse-rows-*.txt):
+# 512 held against 1024 (152 registers, 3 programs a multiprocessor, against 80 and 6) on the 25 % layouts, fp32
+# 0.93-0.98 against 0.83-0.87, bf16 0.77-0.84 against 0.70-0.77; 1024 at 50 % (bf16 0.85 against 0.81) and at
+# B = 128 in float32 (0.98-0.99 against 0.85-0.94), the tile kernels at fp32 50 % (0.96-1.01 against 0.91-0.93).
+ROW_BACKWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels only
+ROW_HELD, ROW_HELD_LONG, ROW_LONG = 512, 1024, 2048
+ROW_MIN_BLOCKS = {4: 8, 2: 4}
+TILES_FROM = {4: 2048, 2: float("inf")}
 ROW_WARPS = 4
 
 
@@ -200,10 +207,17 @@ def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale,
     tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+def _row_blocks(lut, element_size):
+    """Blocks of each row that the backward's row kernels hold (see ROW_HELD)."""
+    mean_row = lut.mean_blocks * lut.block
+    held = ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD
+    return max(1, min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size])))
+
+
 def _launch_rows(kernel, lut, tensors, scale, **constexprs):
-    """One program per ROW_WARPS rows of a block-row, a warp a row; BLOCKS covers the mean row, up to ROW_CHUNK."""
+    """One program per ROW_WARPS rows of a block-row, a warp a row, holding _row_blocks of each."""
     block = lut.block
-    blocks = max(1, min(next_power_of_2(lut.mean_blocks), ROW_CHUNK // block))
+    blocks = _row_blocks(lut, tensors[0].element_size())
     rows = min(block, ROW_WARPS)
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
@@ -211,7 +225,6 @@ def _launch_rows(kernel, lut, tensors, scale, **constexprs):
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale),
                          BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
-
 
 def _plan(blocks, block):
     """(tile?, blocks per slab, rows per program) for block-rows of up to `blocks` (a power of 2) blocks."""
@@ -289,7 +302,7 @@ def backward(y, dy, dx, lut, scale):
     """dx = scale * y * (dy - sum_row(y * dy))."""
     if y.numel() == 0 or lut.max_blocks == 0:
         return
-    if ROW_BACKWARD == "rows":
+    if ROW_BACKWARD == "rows" and lut.mean_blocks * lut.block < TILES_FROM[y.element_size()]:
         _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale)
         return
     _launch((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale, "backward")

@@ -89,12 +89,13 @@ def blocksparse_configurations():
     found = []
     for fmt, name, width in ((FP32, "fp32", 4), (BF16, "bf16", 8)):
         arr = words[fmt]
-        lanes, warps, _, forward, backward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width)
+        lanes, warps, _, _, backward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width)
         packed = blocksparse._packed(width, 16 // width)
         build_forward = blocksparse._forward_packed_kernel if packed else blocksparse._forward_kernel
         build_backward = blocksparse._backward_packed_kernel if packed else blocksparse._backward_kernel
         tag = "-words" if packed else ""
         for causal in (False, True):
+            forward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width, causal=causal)[3]
             found.append((f"bs-fwd-{name}{'-causal' if causal else ''}{tag}-{forward}",
                           build_forward(fmt, width, causal, forward, lanes, warps),
                           (arr, arr, table, table, *sizes, types.int64, types.int64, types.float32),
