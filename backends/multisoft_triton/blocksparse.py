@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for
+from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for, widen
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -157,6 +157,7 @@ ROW_HELD, ROW_HELD_LONG, ROW_LONG = 512, 1024, 2048
 ROW_MIN_BLOCKS = {4: 8, 2: 4}
 TILES_FROM = {4: 2048, 2: float("inf")}
 ROW_WARPS = 4
+ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): half the registers
 
 
 @triton.jit
@@ -184,13 +185,13 @@ def _row_slab(start, count, i, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale,
-                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale, zero,
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, RAW: tl.constexpr):
     _, start, count, i = _row_program(offsets_ptr, block_rows, ROWS, B)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
-    y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dot = tl.sum(tl.sum(y0 * dy0, axis=2), axis=1)
+    y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0)
+    dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
+    dot = tl.sum(tl.sum(y0.to(tl.float32) * dy0.to(tl.float32), axis=2), axis=1)
     for first in range(BLOCKS, count, BLOCKS):
         offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -203,7 +204,7 @@ def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale,
         dx = scale * y * (dy - dot[:, None, None])
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
-    dx0 = scale * y0 * (dy0 - dot[:, None, None])
+    dx0 = scale * widen(y0, zero, RAW) * (widen(dy0, zero, RAW) - dot[:, None, None])
     tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -223,7 +224,7 @@ def _launch_rows(kernel, lut, tensors, scale, **constexprs):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
-            kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale),
+            kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale), 0,
                          BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
 
 def _plan(blocks, block):
@@ -303,6 +304,6 @@ def backward(y, dy, dx, lut, scale):
     if y.numel() == 0 or lut.max_blocks == 0:
         return
     if ROW_BACKWARD == "rows" and lut.mean_blocks * lut.block < TILES_FROM[y.element_size()]:
-        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale)
+        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale, RAW=ROW_RAW and y.element_size() == 2)
         return
     _launch((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale, "backward")

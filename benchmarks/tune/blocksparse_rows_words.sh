@@ -9,13 +9,30 @@ set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
 N='import multisoft_numba.blocksparse as n'
+T='import multisoft_triton.blocksparse as b'
+if [ "${ROUND:-1}" = 2 ]; then
+  # Round 2: Triton's 16-bit backward rows held as loaded (ROW_RAW: 51 registers at 512 held, 84 at 1024, against
+  # 67 and 126 as floats), 512 or 1024 held; numba's float32 forward at 32 values a lane, or by the mean row.
+  # Writes $OUT/triton_bs_raw.csv and $OUT/numba_bs_fp32.csv.
+  python3 benchmarks/tune/tune.py --backend triton --ops blocksparse_softmax --dtypes bf16 --cases b \
+    --directions backward --csv "$OUT/triton_bs_raw.csv" --variant "raw:" \
+    --variant "floats:$T; b.ROW_RAW = False" \
+    --variant "raw1024:$T; b.ROW_HELD = 1024" \
+    --variant "raw1024w8:$T; b.ROW_HELD = 1024; b.ROW_WARPS = 8" \
+    || echo "triton block-sparse raw rows failed: rc=$?"
+  python3 benchmarks/tune/tune.py --backend numba --ops blocksparse_softmax --dtypes fp32 --cases b \
+    --directions forward --csv "$OUT/numba_bs_fp32.csv" --variant "f16:" \
+    --variant "f32:$N; n.FORWARD_FLOATS = {4: (32,), 2: (16,)}" \
+    --variant "f16_32_64:$N; n.FORWARD_FLOATS = {4: (16, 32, 64), 2: (16,)}" \
+    || echo "numba block-sparse fp32 forward failed: rc=$?"
+  exit 0
+fi
 python3 benchmarks/tune/tune.py --backend numba --ops blocksparse_softmax --dtypes bf16 --cases b \
   --directions forward,backward --csv "$OUT/numba_bs_words.csv" --variant "words:" \
   --variant "w32:$N; n.PACKED_VALUES = {'forward': (32,), 'backward': (32,)}" \
   --variant "w64:$N; n.PACKED_VALUES = {'forward': (64,), 'backward': (64,)}" \
   --variant "floats:$N; n.PACK_16BIT = False" \
   || echo "numba block-sparse words failed: rc=$?"
-T='import multisoft_triton.blocksparse as b'
 python3 benchmarks/tune/tune.py --backend triton --ops blocksparse_softmax --dtypes fp32,bf16 --cases b \
   --directions backward --csv "$OUT/triton_bs_rows.csv" --variant "rows:" \
   --variant "tiles:$T; b.ROW_BACKWARD = 'tiles'" \
