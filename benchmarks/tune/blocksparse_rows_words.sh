@@ -10,6 +10,29 @@ OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
 N='import multisoft_numba.blocksparse as n'
 T='import multisoft_triton.blocksparse as b'
+if [ "${ROUND:-1}" = 3 ]; then
+  # Round 3: CuPy's 16-bit forward holding its tiles as loaded (blocksparse.cu, bs_fwd_row_words) against the float
+  # kernels (REF_FILE, e.g. ab_ref/blocksparse.cu from `git show <rev>:backends/multisoft_cupy/blocksparse.cu`), at
+  # 32 values a thread (the default), 40, and 40 or 64 with the registers capped (min blocks 8 or 6); numba's 16-bit
+  # forward with 40 values a lane among its choices. Writes $OUT/cupy_ab.csv, $OUT/cupy_bs_words.csv and
+  # $OUT/numba_bs_fwd40.csv.
+  export OUT
+  SOURCE=blocksparse.cu CASES=b DTYPES=bf16 DIRECTIONS=forward bash benchmarks/tune/cupy_ab.sh
+  C='import multisoft_cupy.blocksparse as c; import multisoft_cupy._catalog as k'
+  cap() { echo "k.BLOCKSPARSE_CONFIGS = tuple(g._replace(min_blocks=$1) if g.vpt == $2 else g for g in k.BLOCKSPARSE_CONFIGS)"; }
+  python3 benchmarks/tune/tune.py --backend cupy --ops blocksparse_softmax --dtypes bf16 --cases b \
+    --directions forward --csv "$OUT/cupy_bs_words.csv" --variant "words32:" \
+    --variant "words40:$C; c.FORWARD_FLOATS = {4: (32,), 2: (40,)}" \
+    --variant "words40cap8:$C; c.FORWARD_FLOATS = {4: (32,), 2: (40,)}; $(cap 8 5)" \
+    --variant "words64cap6:$C; c.FORWARD_FLOATS = {4: (32,), 2: (64,)}; $(cap 6 8)" \
+    --variant "words32cap8:$C; $(cap 8 4)" \
+    || echo "cupy block-sparse words failed: rc=$?"
+  python3 benchmarks/tune/tune.py --backend numba --ops blocksparse_softmax --dtypes bf16 --cases b \
+    --directions forward --csv "$OUT/numba_bs_fwd40.csv" --variant "words:" \
+    --variant "w40:$N; n.PACKED_VALUES = {'forward': (32, 40, 48, 64), 'backward': (32, 48, 64)}" \
+    || echo "numba block-sparse forward 40 failed: rc=$?"
+  exit 0
+fi
 if [ "${ROUND:-1}" = 2 ]; then
   # Round 2: Triton's 16-bit backward rows held as loaded (ROW_RAW: 51 registers at 512 held, 84 at 1024, against
   # 67 and 126 as floats), 512 or 1024 held; numba's float32 forward at 32 values a lane, or by the mean row.
