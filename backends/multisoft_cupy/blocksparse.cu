@@ -221,96 +221,6 @@ __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row,
     }
 }
 
-// The words of q as if changed: values computed from them before are computed again after, not kept in registers.
-template <int N>
-__device__ __forceinline__ void launder(uint4 (&q)[N]) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) asm volatile("" : "+r"(q[k].x), "+r"(q[k].y), "+r"(q[k].z), "+r"(q[k].w));
-}
-
-// bs_fwd_row for 16-bit T with each tile held as loaded (VPT raw vectors: half the registers of its floats, so a
-// tile holds twice the elements for the same registers): pass 1 widens the words for the max, again for the sum of
-// exponentials, and pass 2 again for the output, taking each exponential twice.
-template <typename T, int VPT, bool VECTOR, bool MASKED>
-__device__ __forceinline__ void bs_fwd_row_words(const T* x, T* out, const BsRow& row, const int* columns, int log2b,
-                                                 float scale, bool causal) {
-    using V = BsVec<T>;
-    constexpr int VEC = V::VEC;
-    const uint4 fill = V::splat(scale > 0.f ? -MS_INF : MS_INF);
-    const int ntiles = row.template tiles<VPT>();
-    uint4 q[VPT];
-    int keep[VPT];  // elements 0 .. keep - 1 of vector k are scores (MASKED)
-    auto load = [&](int t) {
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-            const int s = t * VPT + k;
-            q[k] = fill;
-            if (row.has(s)) q[k] = V::template load<VECTOR>(x + row.offset(s));
-            if constexpr (MASKED) {
-                keep[k] = row.has(s) ? VEC : 0;
-                if (causal && keep[k]) {
-                    const int col = (columns[row.first + row.block(s)] << log2b) + row.col;
-                    keep[k] = max(0, min(VEC, row.abs_row - col + 1));
-                }
-            }
-        }
-    };
-    auto score = [&](int k, int e) {
-        const float v = V::get(q[k], e) * scale;
-        return !MASKED || e < keep[k] ? v : -MS_INF;
-    };
-    // Pass 1: running max m and sum s.
-    float m = -MS_INF, s = 0.f;
-    for (int t = 0; t < ntiles; ++t) {
-        load(t);
-        const float m_old = m;
-        float tile_max = -MS_INF;
-#pragma unroll
-        for (int k = 0; k < VPT; ++k)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) tile_max = fmaxf(tile_max, score(k, e));
-        m = fmaxf(m, tile_max);
-        const float shift = m == -MS_INF ? 0.f : m;  // nothing but masked elements so far: exp(-inf - 0) = 0
-        s *= exp_diff(m_old, shift);
-        const ShiftedExp<T> ex(shift);
-        float acc = 0.f;
-        launder(q);
-#pragma unroll
-        for (int k = 0; k < VPT; ++k)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc += ex(score(k, e));
-        s += ex.unshift(acc);
-    }
-    const float row_max = warp_max(m);
-    const bool empty = row_max == -MS_INF;  // every element masked: zeros
-    const float inv_sum = empty ? 0.f : 1.f / warp_sum(m == -MS_INF ? 0.f : s * exp_diff(m, row_max));
-    const ShiftedExp<T> ex(empty ? 0.f : row_max);
-    const float fixed_inv_sum = ex.unshift(inv_sum);
-    // Pass 2: the last tile from its words, the others read again.
-    for (int t = ntiles - 1; t >= 0; --t) {
-        if (t != ntiles - 1) load(t);
-        launder(q);
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-            if (!row.has(t * VPT + k)) continue;
-            float f[VEC];
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) f[e] = empty ? 0.f : ex(score(k, e)) * fixed_inv_sum;
-            V::template store<VECTOR>(out + row.offset(t * VPT + k), f);
-        }
-    }
-}
-
-// The forward of one row: 16-bit rows held as loaded, float32 rows as floats.
-template <typename T, int VPT, bool VECTOR, bool MASKED>
-__device__ __forceinline__ void bs_fwd_any(const T* x, T* out, const BsRow& row, const int* columns, int log2b,
-                                           float scale, bool causal) {
-    if constexpr (sizeof(T) == 2)
-        bs_fwd_row_words<T, VPT, VECTOR, MASKED>(x, out, row, columns, log2b, scale, causal);
-    else
-        bs_fwd_row<T, VPT, VECTOR, MASKED>(x, out, row, columns, log2b, scale, causal);
-}
-
 template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_fwd(const T* x, T* out, const int* offsets, const int* columns, i64 Z, i64 nnz,
                                  i64 groups, int block_rows, int log2b, float scale, int causal, int vec_ok) {
@@ -321,11 +231,11 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_fwd(const T* x, T* out, const int* 
     for (i64 rid = (i64)blockIdx.x * ROWS + threadIdx.x / 32; rid < total_rows; rid += (i64)gridDim.x * ROWS) {
         const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b, lane);
         if (vec_ok) {
-            if (masked) bs_fwd_any<T, VPT, true, true>(x, out, row, columns, log2b, scale, causal != 0);
-            else bs_fwd_any<T, VPT, true, false>(x, out, row, columns, log2b, scale, false);
+            if (masked) bs_fwd_row<T, VPT, true, true>(x, out, row, columns, log2b, scale, causal != 0);
+            else bs_fwd_row<T, VPT, true, false>(x, out, row, columns, log2b, scale, false);
         } else {
-            if (masked) bs_fwd_any<T, VPT, false, true>(x, out, row, columns, log2b, scale, causal != 0);
-            else bs_fwd_any<T, VPT, false, false>(x, out, row, columns, log2b, scale, false);
+            if (masked) bs_fwd_row<T, VPT, false, true>(x, out, row, columns, log2b, scale, causal != 0);
+            else bs_fwd_row<T, VPT, false, false>(x, out, row, columns, log2b, scale, false);
         }
     }
 }
