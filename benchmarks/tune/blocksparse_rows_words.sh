@@ -11,8 +11,8 @@ mkdir -p "$OUT"
 N='import multisoft_numba.blocksparse as n'
 T='import multisoft_triton.blocksparse as b'
 if [ "${ROUND:-1}" = 3 ]; then
-  # Round 3: CuPy's 16-bit forward holding its tiles as loaded (blocksparse.cu, bs_fwd_row_words) against the float
-  # kernels (REF_FILE, e.g. ab_ref/blocksparse.cu from `git show <rev>:backends/multisoft_cupy/blocksparse.cu`), at
+  # Round 3: CuPy's 16-bit forward holding its tiles as loaded (bs_fwd_row_words, in the tree of commit 9401adc,
+  # reverted after) against the float kernels (REF_FILE, e.g. ab_ref/blocksparse.cu from `git show <rev>:backends/multisoft_cupy/blocksparse.cu`), at
   # 32 values a thread (the default), 40, and 40 or 64 with the registers capped (min blocks 8 or 6); numba's 16-bit
   # forward with 40 values a lane among its choices. Writes $OUT/cupy_ab.csv, $OUT/cupy_bs_words.csv and
   # $OUT/numba_bs_fwd40.csv.
