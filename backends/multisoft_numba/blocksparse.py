@@ -230,6 +230,17 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
     return blocksparse_backward
 
 
+@device_function
+def _unseen_shift():
+    """HALF_SHIFT, passed through shared memory so that the compiler cannot fold it: the packed kernels unpack
+    their words with it after a first pass that used the constant, so they keep the words, not the first pass's
+    floats (see _device.packed_io). A barrier: every thread of the block calls it."""
+    slot = cuda.shared.array(1, int32)
+    share_shift(slot)
+    cuda.syncthreads()
+    return fresh_shift(slot)
+
+
 @functools.cache
 def _packed_tile_load(fmt, width, values, lanes):
     """load(array, words, tmp, base, t, lane, n_vectors, log2b, log2v, pad): tile t's words of a 16-bit row held
@@ -307,10 +318,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
 
     @_jit(lanes * warps)
     def blocksparse_forward_packed(x, out, offsets, columns, batch, rows, nnz, block_rows, log2b, log2v, scale):
-        slot = cuda.shared.array(1, int32)
-        share_shift(slot)
-        cuda.syncthreads()
-        shift = fresh_shift(slot)
+        shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
         words = cuda.local.array(held, int32)
         tmp = cuda.local.array(count, int32)
@@ -389,10 +397,7 @@ def _backward_packed_kernel(fmt, width, values, lanes, warps):
 
     @_jit(lanes * warps)
     def blocksparse_backward_packed(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, scale):
-        slot = cuda.shared.array(1, int32)
-        share_shift(slot)
-        cuda.syncthreads()
-        shift = fresh_shift(slot)
+        shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(held, int32)
         gs = cuda.local.array(held, int32)
