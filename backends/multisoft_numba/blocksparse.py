@@ -13,9 +13,11 @@ vectors per block row); lane `lane` holds the vectors t * TILE + k * 32 + lane
 vectors. A row of one tile is read once and written from registers; a longer row
 reads its tiles again (the last one excepted).
 
-Causal masking looks up each vector's block column (a load from the look-up table's
-columns, cached, issued with the vector's own load: no chain of dependent loads per
-row) and masks the elements past the diagonal.
+Causal masking keeps a prefix of each row: the look-up table lists a block-row's blocks
+by ascending column, so the elements kept are those of the blocks left of the diagonal,
+then i + 1 of the diagonal block if the row has it (_causal_kept, counted once per row
+by the row's lanes together); elements past the prefix are -inf, and vectors wholly
+past it are not read.
 """
 
 import functools
@@ -79,6 +81,24 @@ def _vector_at(base, v, log2b, log2v):
     return uint64(base + ((v >> log2v) << (log2b + log2v)) + (v & ((int64(1) << log2v) - 1)))
 
 
+@device_function
+def _causal_kept(columns, first, n_blocks, r, i, lane, lanes, log2b):
+    """Elements of row i of block-row r that the causal mask keeps, a prefix of the row (see above). Each lane
+    counts every lanes-th block, 2 for a block left of the diagonal and 1 for the diagonal one (there is at most
+    one); one sum over the lanes, exact in float32."""
+    count = float32(0.0)
+    k = lane
+    while k < n_blocks:
+        column = int64(columns[uint64(first + k)])
+        if column < r:
+            count += float32(2.0)
+        elif column == r:
+            count += float32(1.0)
+        k += lanes
+    total = int64(lanes_sum(count))
+    return ((total >> 1) << log2b) + (i + 1 if total & 1 else int64(0))
+
+
 @functools.cache
 def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     """The forward for element format `fmt` in vectors of `width`, `floats` values per lane
@@ -88,22 +108,19 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     read, write = row_io(fmt, width)
 
     @device_function
-    def load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale, columns, first, row):
-        """vals = scale * x over tile t; -inf past the row's end and, when causal, past absolute column `row`."""
+    def load_scores(x, vals, base, t, lane, n_vectors, kept, log2b, log2v, scale):
+        """vals = scale * x over tile t; -inf past the row's end and, when causal, past its first `kept` elements."""
         for k in range(vectors):
             v = t * tile + k * lanes + lane
             at = k * width
-            if v < n_vectors:
+            if (v * width < kept) if causal else (v < n_vectors):
                 read(x, _vector_at(base, v, log2b, log2v), vals, at)
                 for j in range(width):
                     vals[at + j] *= scale
-                if causal:
-                    column = ((int64(columns[uint64(first + (v >> log2v))]) << log2b)
-                              + (v & ((int64(1) << log2v) - 1)) * width)
-                    if column + width - 1 > row:   # the diagonal cuts this vector, or it lies past it
-                        for j in range(width):
-                            if column + j > row:
-                                vals[at + j] = NEG_INF
+                if causal and v * width + width > kept:   # the diagonal cuts this vector
+                    for j in range(width):
+                        if v * width + j >= kept:
+                            vals[at + j] = NEG_INF
             else:
                 for j in range(width):
                     vals[at + j] = NEG_INF
@@ -124,13 +141,15 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
                 first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
-                row = ((group % block_rows) << log2b) + i if causal else int64(0)   # absolute row (causal)
+                kept = int64(0)
+                if causal:
+                    kept = _causal_kept(columns, first, n_vectors >> log2v, group % block_rows, i, lane, lanes, log2b)
                 tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
                 m = NEG_INF
                 s = float32(0.0)
                 for t in range(tiles):
-                    load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale, columns, first, row)
+                    load_scores(x, vals, base, t, lane, n_vectors, kept, log2b, log2v, scale)
                     top = NEG_INF
                     for k in range(floats):
                         top = nan_max(top, vals[k])
@@ -157,7 +176,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                         for k in range(floats):
                             vals[k] = float32(0.0)
                     else:
-                        load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale, columns, first, row)
+                        load_scores(x, vals, base, t, lane, n_vectors, kept, log2b, log2v, scale)
                         for k in range(floats):
                             vals[k] = expf(vals[k] - row_m) * inv_s
                     store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
@@ -284,19 +303,16 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
     neg_bits = int32(0xFF80 if fmt == BF16 else 0xFC00)
 
     @device_function
-    def mask_past(words, t, lane, n_vectors, log2b, log2v, columns, first, row):
-        """-inf bits for the elements of tile t past absolute column `row` (the diagonal)."""
+    def mask_past(words, t, lane, kept):
+        """-inf bits for the elements of tile t past the row's first `kept` (the causal mask's prefix)."""
         for k in range(vectors):
             v = t * tile + k * lanes + lane
-            if v < n_vectors:
-                column = ((int64(columns[uint64(first + (v >> log2v))]) << log2b)
-                          + (v & ((int64(1) << log2v) - 1)) * width)
-                if column + width - 1 > row:
-                    for j in range(width):
-                        if column + j > row:
-                            at = k * count + j // 2
-                            place = HALF_SHIFT * (j % 2)
-                            words[at] = int32((words[at] & ~(LOW_HALF << place)) | (neg_bits << place))
+            if v * width < kept and v * width + width > kept:   # the diagonal cuts this vector
+                for j in range(width):
+                    if v * width + j >= kept:
+                        at = k * count + j // 2
+                        place = HALF_SHIFT * (j % 2)
+                        words[at] = int32((words[at] & ~(LOW_HALF << place)) | (neg_bits << place))
 
     @device_function
     def store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, scale, row_m, inv_s, shift):
@@ -328,15 +344,19 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
                 first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
-                row = ((group % block_rows) << log2b) + i if causal else int64(0)   # absolute row (causal)
+                read_vectors = n_vectors   # vectors read: those holding kept elements
+                kept = int64(0)
+                if causal:
+                    kept = _causal_kept(columns, first, n_vectors >> log2v, group % block_rows, i, lane, lanes, log2b)
+                    read_vectors = (kept + width - 1) // width
                 tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s) of the scores
                 m = NEG_INF
                 s = float32(0.0)
                 for t in range(tiles):
-                    load(x, words, tmp, base, t, lane, n_vectors, log2b, log2v, pad)
+                    load(x, words, tmp, base, t, lane, read_vectors, log2b, log2v, pad)
                     if causal:
-                        mask_past(words, t, lane, n_vectors, log2b, log2v, columns, first, row)
+                        mask_past(words, t, lane, kept)
                     w = words[0]
                     for q in range(1, held):
                         w = pair_max(w, words[q])
@@ -360,9 +380,9 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                         store_tile(out, words, vec, base, tiles - 1, lane, n_vectors, log2b, log2v, scale, row_m,
                                    inv_s, shift)
                     for t in range(tiles - 1):
-                        load(x, words, tmp, base, t, lane, n_vectors, log2b, log2v, pad)
+                        load(x, words, tmp, base, t, lane, read_vectors, log2b, log2v, pad)
                         if causal:
-                            mask_past(words, t, lane, n_vectors, log2b, log2v, columns, first, row)
+                            mask_past(words, t, lane, kept)
                         store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, scale, row_m, inv_s,
                                    shift)
                 row_id += int64(cuda.gridDim.x) * warps
