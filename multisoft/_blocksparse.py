@@ -23,8 +23,8 @@ class BlockSparseLUT:
     """Where each block-row's blocks are, built once per (layout, block, device).
 
     The blocks of block-row ``r`` of head ``h`` are ``x[:, offsets[h*Mb + r] :
-    offsets[h*Mb + r + 1]]``; ``columns`` and ``rows`` give each block's
-    block-column and ``h*Mb + r``.
+    offsets[h*Mb + r + 1]]``, in ascending block-column; ``columns`` and ``rows``
+    give each block's block-column and ``h*Mb + r``.
     """
 
     block: int

@@ -294,6 +294,16 @@ def test_lookup_table_is_cached_and_follows_layout_changes():
     assert second.nnz == 4 and second.offsets.tolist() == [0, 2, 4]
 
 
+def test_lookup_table_lists_each_block_rows_blocks_by_ascending_column():
+    """Backends rely on it (numba's causal mask keeps a prefix of each row)."""
+    layout = (torch.rand(3, 9, 40) < 0.4).long()
+    lut = multisoft._blocksparse.lookup_table(layout, 16)
+    offsets, columns = lut.offsets.tolist(), lut.columns.tolist()
+    for g in range(3 * 9):
+        row = columns[offsets[g]:offsets[g + 1]]
+        assert row == sorted(row) and row == layout.view(27, 40)[g].nonzero().flatten().tolist()
+
+
 # -- autograd, torch.library, torch.compile
 
 
