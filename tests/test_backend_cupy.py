@@ -23,7 +23,7 @@ import multisoft_cupy  # noqa: E402
 from multisoft_cupy import _catalog  # noqa: E402
 
 from multisoft._blocksparse import lookup_table  # noqa: E402  (the front's look-up table: torch only, no backend)
-from multisoft.check import softmax_backward_magnitude  # noqa: E402  (float64 only, no backend)
+from multisoft.check import reference_blocksparse, softmax_backward_magnitude  # noqa: E402  (float64 only, no backend)
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")
@@ -67,22 +67,6 @@ def ce_reference(logits, target, weight, ignore_index, eps):
     grad = (1 - eps) * wt[:, None] * (p - one_hot) + eps / classes * (w.sum() * p - w)
     grad = torch.where((ignored | invalid)[:, None], 0.0, grad)
     return loss, lse, grad
-
-
-def blocksparse_reference(x, layout, block, scale, is_causal):
-    """softmax over each block-row's blocks in float64, via the dense matrix; fully masked rows give 0."""
-    z = x.shape[0]
-    heads, mb, nb = layout.shape
-    nz = layout.nonzero()
-    dense = torch.full((z, heads, mb * block, nb * block), float("-inf"), dtype=torch.float64, device=x.device)
-    view = dense.view(z, heads, mb, block, nb, block)
-    view[:, nz[:, 0], nz[:, 1], :, nz[:, 2], :] = x.double().transpose(0, 1) * scale
-    if is_causal:
-        row = torch.arange(mb * block, device=x.device)
-        col = torch.arange(nb * block, device=x.device)
-        dense.masked_fill_(col[None, :] > row[:, None], float("-inf"))
-    y = torch.softmax(dense, -1).nan_to_num(nan=0.0)
-    return y.view(z, heads, mb, block, nb, block)[:, nz[:, 0], nz[:, 1], :, nz[:, 2], :].transpose(0, 1)
 
 
 def blocksparse_backward_reference(y, dy, lut, scale):
@@ -498,7 +482,7 @@ def test_blocksparse_causal_matches_float64(block, dtype):
     for causal in (False, True):
         y = torch.empty_like(x)
         blocksparse.forward(x, y, lut, 0.5, causal)
-        ref = blocksparse_reference(x, layout.to(_device()), block, 0.5, causal)
+        ref = reference_blocksparse(x, layout.to(_device()), block, 0.5, causal)
         check(y, ref, dtype, f"blocksparse causal={causal}")
         dx = torch.empty_like(x)
         blocksparse.backward(y, dy, dx, lut, 0.5)
@@ -541,7 +525,7 @@ def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
     for causal in (False, True):
         y = torch.empty_like(x)
         blocksparse.forward(x, y, lut, 0.5, causal)
-        check(y, blocksparse_reference(x, layout.to(_device()), 16, 0.5, causal), dtype, f"forward causal={causal}")
+        check(y, reference_blocksparse(x, layout.to(_device()), 16, 0.5, causal), dtype, f"forward causal={causal}")
         dx_storage = torch.empty_like(storage)
         dx = dx_storage[1:].view(shape) if unaligned else dx_storage[:-1].view(shape)
         blocksparse.backward(y, dy, dx, lut, 0.5)
@@ -566,7 +550,7 @@ def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
     for causal, scale in ((False, 0.5), (True, 0.5), (False, -0.8)):
         y = torch.empty_like(x)
         blocksparse.forward(x, y, lut, scale, causal)
-        check(y, blocksparse_reference(x, layout.to(_device()), 16, scale, causal), dtype,
+        check(y, reference_blocksparse(x, layout.to(_device()), 16, scale, causal), dtype,
               f"forward causal={causal} scale={scale}")
         dx = torch.empty_like(x)
         blocksparse.backward(y, dy, dx, lut, scale)
