@@ -25,7 +25,7 @@ import functools
 import numpy
 from numba import cuda, float32, int32, int64, uint64
 
-from ._device import (BF16, HALF_SHIFT, LOW_HALF, NEG_INF, expf, fresh_shift, kahan_add, lanes_online_merge,
+from ._device import (HALF_SHIFT, LOW_HALF, NEG_INF, expf, fresh_shift, kahan_add, lanes_online_merge,
                       lanes_sum, nan_max, packed_io, packed_max, packed_pad, row_io, share_shift)
 from ._glue import SIMULATOR, device_function, launch, vector_views
 from ._intrinsics import vector_access
@@ -300,7 +300,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
     _, write = row_io(fmt, width)
     pair_max, word_max = packed_max(fmt)
     pad = packed_pad(fmt, NEG_INF)
-    neg_bits = int32(0xFF80 if fmt == BF16 else 0xFC00)
+    neg_bits = int32(pad & LOW_HALF)   # one 16-bit -inf
 
     @device_function
     def mask_past(words, t, lane, kept):

@@ -213,7 +213,7 @@ def _row_blocks(lut, element_size):
     """Blocks of each row that the backward's row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
     held = ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD
-    return max(1, min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size])))
+    return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
 def _launch_rows(kernel, lut, tensors, scale, **constexprs):
@@ -227,6 +227,7 @@ def _launch_rows(kernel, lut, tensors, scale, **constexprs):
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale), 0,
                          BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
+
 
 def _plan(blocks, block):
     """(tile?, blocks per slab, rows per program) for block-rows of up to `blocks` (a power of 2) blocks."""
