@@ -259,18 +259,22 @@ def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("backward_kernels", ["rows", "tiles"])
+@pytest.mark.parametrize("kernels", ["rows", "tiles"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, backward_kernels, monkeypatch):
-    """Block-rows of 1..47 blocks (and an empty one) in launches by length, the longest on the loop path; the
-    backward on the tile and loop kernels, or on the row kernels holding 8 blocks (most rows streamed)."""
+def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypatch):
+    """Block-rows of 1..47 blocks (and an empty one), in shuffled columns (causal: some rows fully masked, some
+    masked from a block on): on the tile and loop kernels, in launches by length, the longest on the loop path;
+    or on the row kernels holding 8 blocks (most rows streamed)."""
     import multisoft
     from multisoft._blocksparse import lookup_table
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
     from multisoft_triton import blocksparse
 
-    monkeypatch.setattr(blocksparse, "ROW_BACKWARD", backward_kernels)
+    monkeypatch.setattr(blocksparse, "ROW_BACKWARD", kernels)
+    monkeypatch.setattr(blocksparse, "ROW_FORWARD", kernels)
+    monkeypatch.setattr(blocksparse, "FORWARD_ROWS", {c: {4: (128, float("inf")), 2: (128, float("inf"))}
+                                                      for c in (False, True)})
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
     monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
     monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {"forward": {4: 0.0, 2: 0.0}, "backward": {4: 0.0, 2: 0.0}})
@@ -310,6 +314,28 @@ def test_blocksparse_backward_row_kernels_hold_by_the_mean_row():
         lut = lookup_table(layout(cols, per_row), block, "cpu")
         assert blocksparse._row_blocks(lut, size) == held, (block, per_row, size)
     assert blocksparse.TILES_FROM[4] == 2048 and blocksparse.TILES_FROM[2] == float("inf")
+
+
+def test_blocksparse_forward_takes_row_kernels_where_they_measured_faster(monkeypatch):
+    """Row kernels: 16-bit layouts with a mean row under 2048, float32 under 512; causal ones only for blocks of 16
+    (and 32 in 16 bits). Else the tile kernels."""
+    from multisoft._blocksparse import lookup_table
+    from multisoft_triton import blocksparse
+
+    taken = []
+    monkeypatch.setattr(blocksparse, "_launch_rows", lambda *args, **kw: taken.append("rows"))
+    monkeypatch.setattr(blocksparse, "_launch", lambda *args, **kw: taken.append("tiles"))
+
+    def path(block, per_row, dtype, causal):
+        layout = (torch.arange(64)[None, None, :] < per_row).expand(2, 8, -1).long()
+        x = torch.empty(1, 16 * per_row, block, block, dtype=dtype)
+        blocksparse.forward(x, x, lookup_table(layout, block, "cpu"), 1.0, causal)
+        return taken.pop()
+
+    assert path(64, 7, torch.float32, False) == "rows" and path(16, 64, torch.float32, False) == "tiles"
+    assert path(16, 64, torch.bfloat16, False) == "rows" and path(64, 32, torch.bfloat16, False) == "tiles"
+    assert path(16, 64, torch.float32, True) == "rows" and path(32, 32, torch.float32, True) == "tiles"
+    assert path(32, 32, torch.bfloat16, True) == "rows" and path(64, 16, torch.bfloat16, True) == "tiles"
 
 
 def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():

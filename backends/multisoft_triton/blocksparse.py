@@ -157,6 +157,16 @@ ROW_HELD, ROW_HELD_LONG, ROW_LONG = 512, 1024, 2048
 ROW_MIN_BLOCKS = {4: 8, 2: 4}
 TILES_FROM = {4: 2048, 2: float("inf")}
 ROW_WARPS = 4
+# The forward's row kernels (the same programs and held blocks, each held element's exponential kept, a causal row's
+# kept prefix counted while its held blocks load) where they measured faster: FORWARD_ROWS[causal][element size]
+# is (the largest block, the mean row below which); the rest take the tile and loop kernels. Measured on an H200
+# in session 16 (tuning/triton-blocksparse-forward-rows.txt), rows against tiles: bf16 0.64-0.72 ->
+# 0.70-0.76 on the 25 % layouts, 0.77 -> 0.57 at 50 %; fp32 0.86 -> 0.91 at 11 %, 0.83-0.92 -> 0.82-0.85 at 25 %;
+# causal b16 0.64 -> 0.68 (fp32) and 0.45 -> 0.54 (bf16), b32 bf16 0.54 -> 0.57, larger blocks 0.01-0.27 slower
+# (those rows past the held blocks, streamed twice, cost more than the tiles' padding). Holding 1024 or 256
+# elements, or 2 or 8 rows a program, lost.
+ROW_FORWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels only
+FORWARD_ROWS = {False: {4: (128, 512), 2: (128, 2048)}, True: {4: (16, 2048), 2: (32, 2048)}}
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
 
@@ -209,6 +219,65 @@ def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale,
     tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _causal_kept(columns_ptr, start, count, row_block, i, BLOCKS: tl.constexpr, B: tl.constexpr):
+    """Elements of rows i of block-row row_block that the causal mask keeps: a prefix of each row, since a
+    block-row's blocks ascend by column (those left of the diagonal, then i + 1 of the diagonal block if any)."""
+    before = 0
+    diagonal = 0
+    for first in range(0, count, BLOCKS):
+        k = first + tl.arange(0, BLOCKS)
+        column = tl.load(columns_ptr + start + k, mask=k < count, other=row_block + 1)
+        before += tl.sum((column < row_block).to(tl.int32), axis=0)
+        diagonal += tl.sum((column == row_block).to(tl.int32), axis=0)
+    return before * B + diagonal * (i + 1)
+
+
+@triton.jit
+def _row_scores(x, mask, kept, first_block, scale, BLOCKS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
+    """scale * x as float32, -inf where masked: past the row's blocks or, causal, past the kept prefix."""
+    if CAUSAL:
+        position = (first_block + tl.arange(0, BLOCKS))[:, None] * B + tl.arange(0, B)[None, :]
+        mask = mask & (position[None, :, :] < kept[:, None, None])
+    return tl.where(mask, x.to(tl.float32) * scale, -float("inf"))
+
+
+@triton.jit
+def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, block_rows, scale, columns_ptr,
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
+    """The held blocks' exponentials stay in registers (one exponential per element); the rest of a longer row
+    is streamed for an online max and sum, then again for its output."""
+    row_block, start, count, i = _row_program(offsets_ptr, block_rows, ROWS, B)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    x0 = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    kept = i
+    if CAUSAL:  # counted while the held blocks load
+        kept = _causal_kept(columns_ptr, start, count, row_block, i, BLOCKS, B)
+    s0 = _row_scores(x0, mask, kept, 0, scale, BLOCKS, B, CAUSAL)
+    held_max = tl.max(tl.max(s0, axis=2), axis=1)
+    e0 = fast_exp(s0 - safe_shift(held_max)[:, None, None])
+    run_max = held_max
+    run_sum = tl.sum(tl.sum(e0, axis=2), axis=1)
+    for first in range(BLOCKS, count, BLOCKS):
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        s = _row_scores(tl.load(x_ptr + offsets, mask=mask, other=0.0), mask, kept, first, scale, BLOCKS, B,
+                        CAUSAL)
+        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(tl.max(s, axis=2), axis=1))
+        run_sum += tl.sum(tl.sum(fast_exp(s - shift[:, None, None]), axis=2), axis=1)
+    safe_max = safe_shift(run_max)
+    inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
+    for first in range(BLOCKS, count, BLOCKS):
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        s = _row_scores(tl.load(x_ptr + offsets, mask=mask, other=0.0), mask, kept, first, scale, BLOCKS, B,
+                        CAUSAL)
+        y = fast_exp(s - safe_max[:, None, None]) * inverse[:, None, None]
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    # exp(s0 - safe_max) = e0 * exp(held_max - safe_max); a held part with no unmasked element gives 0
+    held_scale = fast_exp(held_max - safe_max) * inverse
+    tl.store(out_ptr + offsets, (e0 * held_scale[:, None, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _row_blocks(lut, element_size):
     """Blocks of each row that the backward's row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
@@ -216,8 +285,9 @@ def _row_blocks(lut, element_size):
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
-def _launch_rows(kernel, lut, tensors, scale, **constexprs):
-    """One program per ROW_WARPS rows of a block-row, a warp a row, holding _row_blocks of each."""
+def _launch_rows(kernel, lut, tensors, scale, *extra, **constexprs):
+    """One program per ROW_WARPS rows of a block-row, a warp a row, holding _row_blocks of each; `extra` are the
+    kernel's arguments after the scale."""
     block = lut.block
     blocks = _row_blocks(lut, tensors[0].element_size())
     rows = min(block, ROW_WARPS)
@@ -225,7 +295,7 @@ def _launch_rows(kernel, lut, tensors, scale, **constexprs):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
-            kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale), 0,
+            kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale), *extra,
                          BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
 
 
@@ -298,7 +368,12 @@ def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     if x.numel() == 0 or lut.max_blocks == 0:
         return
-    _launch((_fwd_tile_kernel, _fwd_loop_kernel), lut, (x, out), scale, "forward", CAUSAL=bool(is_causal))
+    causal = bool(is_causal)
+    largest_block, below = FORWARD_ROWS[causal][x.element_size()]
+    if ROW_FORWARD == "rows" and lut.block <= largest_block and lut.mean_blocks * lut.block < below:
+        _launch_rows(_fwd_rows_kernel, lut, (x, out), scale, lut.columns, CAUSAL=causal)
+        return
+    _launch((_fwd_tile_kernel, _fwd_loop_kernel), lut, (x, out), scale, "forward", CAUSAL=causal)
 
 
 def backward(y, dy, dx, lut, scale):
@@ -306,6 +381,6 @@ def backward(y, dy, dx, lut, scale):
     if y.numel() == 0 or lut.max_blocks == 0:
         return
     if ROW_BACKWARD == "rows" and lut.mean_blocks * lut.block < TILES_FROM[y.element_size()]:
-        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale, RAW=ROW_RAW and y.element_size() == 2)
+        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale, 0, RAW=ROW_RAW and y.element_size() == 2)
         return
     _launch((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale, "backward")
