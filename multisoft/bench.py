@@ -56,6 +56,15 @@ QUICK_SWEEP_COLS = [1024, 32768, 1 << 20]
 QUICK_CROSS_ENTROPY = [(8192, 32000)]
 QUICK_LAYOUTS = [(64, 0.25, False), (64, 0.25, True)]
 
+# The backends' speed targets (the issues'), as a fraction of the copy bandwidth: this many for these backends
+# (None: none, the reference), DEFAULT_TARGET for any other, over the directions of each op that TARGET_DIRECTIONS
+# names, on the headline shapes, the cross-entropy shapes and the block-sparse layouts.
+TARGETS = {"numba": 0.80, "torch": None}
+DEFAULT_TARGET = 0.90
+TARGET_DIRECTIONS = {"softmax": ("forward", "backward"), "log_softmax": ("forward", "backward"),
+                     "cross_entropy": ("forward+backward",), "blocksparse_softmax": ("forward", "backward")}
+SHORTFALL_REASONS = "benchmarks/README.md, \"Where the targets are not met yet\""
+
 TORCH_PEER = "torch-native"
 LIGER_PEER = "liger"
 COPY_BYTES = 1 << 30
@@ -1028,6 +1037,52 @@ def _problems(timings: list[Timing]) -> list[str]:
             for (impl, note), where in ordered]
 
 
+def target_of(impl: str) -> float | None:
+    """The speed target of a backend, or of its variant ("numba inplace": numba's)."""
+    return TARGETS.get(impl.split()[0], DEFAULT_TARGET)
+
+
+def _targets_section(timings: list[Timing]) -> list[str]:
+    """Per backend with a target: the cells it is held to, those below (rounded to two places, as the tables show
+    them); a cell that moves the bytes of a copy of its input that itself reaches less than the target says so."""
+    held = [t for t in timings if t.role == "backend" and target_of(t.impl) is not None
+            and t.direction in TARGET_DIRECTIONS.get(t.op, ()) and ("headline" in t.group or t.group == "layout")]
+    if not held:
+        return []
+    copies = {(t.shape, t.dtype, t.bytes): t.fraction_of_copy for t in timings if t.role == "copy"}
+    lines = ["## against the targets", "",
+             "Cells held to a backend's target: " + "; ".join(f"{op} {', '.join(directions)}"
+                                                            for op, directions in TARGET_DIRECTIONS.items())
+             + ", on the headline shapes and the layouts (not the sweep). Below a target: the cell as the tables "
+             f"round it is under it. Why each falls short, as measured: {SHORTFALL_REASONS}.", "",
+             "| backend | target | cells | below | below, by op and direction |", "|---|---:|---:|---:|---|"]
+    below_of = {}
+    for impl in dict.fromkeys(t.impl for t in held):
+        cells = [t for t in held if t.impl == impl]
+        target = target_of(impl)
+        below = [t for t in cells if t.fraction_of_copy is None or round(t.fraction_of_copy, 2) < target]
+        below_of[impl] = below
+        counts = {}
+        for t in below:
+            counts[f"{t.op} {t.direction}"] = counts.get(f"{t.op} {t.direction}", 0) + 1
+        lines.append(f"| {impl} | {target:.2f} | {len(cells)} | {len(below)} | "
+                     + ", ".join(f"{key} {count}" for key, count in counts.items()) + " |")
+    lines.append("")
+    for impl, below in below_of.items():
+        if not below:
+            continue
+        lines += [f"<details><summary>{impl}: the {len(below)} cells below {target_of(impl):.2f}</summary>", "",
+                  "| op | direction | shape | dtype | fraction of copy | note |", "|---|---|---|---|---:|---|"]
+        for t in below:
+            bound = copies.get((t.shape, t.dtype, t.bytes))
+            note = t.note or (f"a copy of its bytes reaches {bound:.2f}" if bound is not None
+                              and round(bound, 2) < target_of(impl) else "")
+            lines.append(f"| {t.op} | {t.direction} | {t.shape} | {t.dtype} | {_number(t.fraction_of_copy, 2)} | "
+                         f"{note} |")
+        lines += ["", "</details>", ""]
+    return lines
+
+
 def _number(value, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
@@ -1050,6 +1105,7 @@ def markdown_report(results: Results) -> str:
         lines += ["These times include host overhead wherever the host launches a call more slowly than the GPU "
                   "runs it (small tensors, forward+backward through autograd); `--timer queued` times the GPU "
                   "work only.", ""]
+    lines += _targets_section(results.timings)
     ops = list(dict.fromkeys(t.op for t in results.timings if t.role != "copy"))
     for op in ops:
         lines += _op_section(op, [t for t in results.timings if t.op == op])

@@ -202,8 +202,43 @@ def test_reports(tmp_path):
     assert "| 8192x32000 | fp32 | triton inplace | 0 | 0.00 |" in text
     assert "| triton | 21.0 | 6.5 | 14.5 |" in text
     assert "| triton | softmax | forward | bf16 | 16384x4096 | 812.5 | 0.070 |" in text
-    sweep = text[text.index("<details>"):text.index("</details>")]
+    sweep = text[text.index("<details><summary>sweep"):]
+    sweep = sweep[:sweep.index("</details>")]
     assert sweep.index("| 65536x1024 |") < sweep.index("| 1024x65536 |")
+
+
+def test_targets_section_lists_the_cells_below_each_backends_target():
+    forward = _timing("softmax", "triton", "bf16", "32768x1024", "forward", 0.894)     # 0.89: below
+    copy = bench.Timing("copy", "torch", "copy", "bf16", "headline", "32768x1024", 1024, "copy", 0.04,
+                        forward.bytes, 3480.0, 0.87)
+    timings = [
+        copy,
+        forward,
+        _timing("softmax", "triton", "bf16", "32768x1024", "backward", 0.896),         # 0.90: not below
+        _timing("log_softmax", "triton", "bf16", "32768x1024", "backward", 0.88),      # other bytes than the copy
+        _timing("softmax", "triton", "bf16", "32768x1024", "forward+backward", 0.5),   # not held to the target
+        _timing("softmax", "triton", "bf16", "256x262144", "forward", 0.5, group="sweep"),
+        _timing("blocksparse_softmax", "triton", "fp32", "b16 25% Z1", "backward", 0.85, group="layout"),
+        _timing("cross_entropy", "triton", "fp32", "8192x32000", "forward+backward", None, note="error: boom"),
+        _timing("softmax", "numba", "bf16", "32768x1024", "forward", 0.80),
+        _timing("softmax", "numba", "bf16", "32768x1024", "backward", 0.794),
+        _timing("softmax", "torch-native", "bf16", "32768x1024", "forward", 0.3, role="peer"),
+        _timing("softmax", "torch", "bf16", "32768x1024", "forward", 0.1),             # the reference: no target
+        _timing("cross_entropy", "numba inplace", "fp32", "8192x32000", "forward+backward", 0.81),
+    ]
+    text = "\n".join(bench._targets_section(timings))
+    assert "| triton | 0.90 | 5 | 4 | softmax forward 1, log_softmax backward 1, blocksparse_softmax backward 1, " \
+           "cross_entropy forward+backward 1 |" in text
+    assert "| numba | 0.80 | 2 | 1 | softmax backward 1 |" in text
+    assert "| numba inplace | 0.80 | 1 | 0 |  |" in text
+    assert "torch" not in text
+    assert "| log_softmax | backward | 32768x1024 | bf16 | 0.88 |  |" in text
+    assert "| softmax | forward | 32768x1024 | bf16 | 0.89 | a copy of its bytes reaches 0.87 |" in text
+    assert "| blocksparse_softmax | backward | b16 25% Z1 | fp32 | 0.85 |  |" in text
+    assert "| cross_entropy | forward+backward | 8192x32000 | fp32 | — | error: boom |" in text
+    # numba's target is 0.80: the copy of these bytes (0.87) does not bound it
+    assert "| softmax | backward | 32768x1024 | bf16 | 0.79 |  |" in text
+    assert bench._targets_section([copy]) == []
 
 
 def test_plots(tmp_path):
