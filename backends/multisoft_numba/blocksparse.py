@@ -16,8 +16,8 @@ reads its tiles again (the last one excepted).
 Causal masking keeps a prefix of each row: the look-up table lists a block-row's blocks
 by ascending column, so the elements kept are those of the blocks left of the diagonal,
 then i + 1 of the diagonal block if the row has it (_causal_kept, counted once per row
-by the row's lanes together); elements past the prefix are -inf, and vectors wholly
-past it are not read.
+by the row's lanes together: by the float kernel while the row's first tile loads, by the
+16-bit one before, reading no vector wholly past it); elements past the prefix are -inf.
 """
 
 import functools
@@ -108,22 +108,28 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     read, write = row_io(fmt, width)
 
     @device_function
-    def load_scores(x, vals, base, t, lane, n_vectors, kept, log2b, log2v, scale):
-        """vals = scale * x over tile t; -inf past the row's end and, when causal, past its first `kept` elements."""
+    def load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale):
+        """vals = scale * x over tile t; -inf past the row's end."""
         for k in range(vectors):
             v = t * tile + k * lanes + lane
             at = k * width
-            if (v * width < kept) if causal else (v < n_vectors):
+            if v < n_vectors:
                 read(x, _vector_at(base, v, log2b, log2v), vals, at)
                 for j in range(width):
                     vals[at + j] *= scale
-                if causal and v * width + width > kept:   # the diagonal cuts this vector
-                    for j in range(width):
-                        if v * width + j >= kept:
-                            vals[at + j] = NEG_INF
             else:
                 for j in range(width):
                     vals[at + j] = NEG_INF
+
+    @device_function
+    def mask_past(vals, t, lane, kept):
+        """-inf for the elements of tile t past the row's first `kept` (the causal mask's prefix)."""
+        for k in range(vectors):
+            v = t * tile + k * lanes + lane
+            if v * width + width > kept:
+                for j in range(width):
+                    if v * width + j >= kept:
+                        vals[k * width + j] = NEG_INF
 
     @device_function
     def store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v):
@@ -142,14 +148,17 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
             while row_id < rows:
                 first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 kept = int64(0)
-                if causal:
-                    kept = _causal_kept(columns, first, n_vectors >> log2v, group % block_rows, i, lane, lanes, log2b)
                 tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
                 m = NEG_INF
                 s = float32(0.0)
                 for t in range(tiles):
-                    load_scores(x, vals, base, t, lane, n_vectors, kept, log2b, log2v, scale)
+                    load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale)
+                    if causal:
+                        if t == 0:   # counted while the first tile loads
+                            kept = _causal_kept(columns, first, n_vectors >> log2v, group % block_rows, i, lane,
+                                                lanes, log2b)
+                        mask_past(vals, t, lane, kept)
                     top = NEG_INF
                     for k in range(floats):
                         top = nan_max(top, vals[k])
@@ -176,7 +185,9 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                         for k in range(floats):
                             vals[k] = float32(0.0)
                     else:
-                        load_scores(x, vals, base, t, lane, n_vectors, kept, log2b, log2v, scale)
+                        load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale)
+                        if causal:
+                            mask_past(vals, t, lane, kept)
                         for k in range(floats):
                             vals[k] = expf(vals[k] - row_m) * inv_s
                     store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
@@ -346,7 +357,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                 first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 read_vectors = n_vectors   # vectors read: those holding kept elements
                 kept = int64(0)
-                if causal:
+                if causal:   # counted before the loads: counting while they load, as the float kernel does, was slower here
                     kept = _causal_kept(columns, first, n_vectors >> log2v, group % block_rows, i, lane, lanes, log2b)
                     read_vectors = (kept + width - 1) // width
                 tiles = (n_vectors + tile - 1) // tile
