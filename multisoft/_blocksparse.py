@@ -24,7 +24,10 @@ class BlockSparseLUT:
 
     The blocks of block-row ``r`` of head ``h`` are ``x[:, offsets[h*Mb + r] :
     offsets[h*Mb + r + 1]]``, in ascending block-column; ``columns`` and ``rows``
-    give each block's block-column and ``h*Mb + r``.
+    give each block's block-column and ``h*Mb + r``. A causal mask keeps a prefix
+    of each row: ``causal[h*Mb + r]`` = 2 x (blocks left of the diagonal) + (1 if
+    the block-row has its diagonal block), so row ``i`` keeps its first
+    ``(causal >> 1) * block + (causal & 1) * (i + 1)`` elements.
     """
 
     block: int
@@ -36,6 +39,7 @@ class BlockSparseLUT:
     offsets: torch.Tensor
     columns: torch.Tensor
     rows: torch.Tensor
+    causal: torch.Tensor
 
     @property
     def mean_blocks(self) -> float:
@@ -91,9 +95,20 @@ def lookup_table(layout: torch.Tensor, block: int, device: torch.device | str | 
         offsets=offsets.to(device, torch.int32),
         columns=nonzero[:, 2].to(device, torch.int32),
         rows=(nonzero[:, 0] * block_rows + nonzero[:, 1]).to(device, torch.int32),
+        causal=_causal_prefixes(cpu).to(device, torch.int32),
     )
     cache[key] = lut
     return lut
+
+
+def _causal_prefixes(layout: torch.Tensor) -> torch.Tensor:
+    """Per block-row (flattened heads x block-rows): 2 x its blocks left of the diagonal + its diagonal block."""
+    _, block_rows, block_cols = layout.shape
+    r = torch.arange(block_rows)[:, None]
+    c = torch.arange(block_cols)[None, :]
+    before = (layout * (c < r)).sum(-1)
+    diagonal = (layout * (c == r)).sum(-1)
+    return (2 * before + diagonal).flatten()
 
 
 # -- the kernels of one backend, into torch-allocated outputs

@@ -304,6 +304,24 @@ def test_lookup_table_lists_each_block_rows_blocks_by_ascending_column():
         assert row == sorted(row) and row == layout.view(27, 40)[g].nonzero().flatten().tolist()
 
 
+
+def test_lookup_table_causal_prefix_is_what_the_mask_keeps():
+    layout = (torch.rand(2, 7, 9) < 0.5).long()
+    layout[0, 3, 3] = 1
+    layout[1, 4, 4] = 0
+    block = 16
+    lut = multisoft._blocksparse.lookup_table(layout, block)
+    offsets, columns, causal = lut.offsets.tolist(), lut.columns.tolist(), lut.causal.tolist()
+    assert len(causal) == 2 * 7
+    for g in range(2 * 7):
+        r = g % 7
+        row_columns = [c for c in columns[offsets[g]:offsets[g + 1]] for _ in range(block)]
+        for i in (0, 5, block - 1):
+            kept = sum(c * block + j % block <= r * block + i for j, c in enumerate(row_columns))
+            assert (causal[g] >> 1) * block + (causal[g] & 1) * (i + 1) == kept, (g, i)
+    assert causal[3] & 1 == 1 and causal[7 + 4] & 1 == 0
+
+
 # -- autograd, torch.library, torch.compile
 
 

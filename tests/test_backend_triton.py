@@ -273,7 +273,7 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
 
     monkeypatch.setattr(blocksparse, "ROW_BACKWARD", kernels)
     monkeypatch.setattr(blocksparse, "ROW_FORWARD", kernels)
-    monkeypatch.setattr(blocksparse, "FORWARD_ROWS", {c: {4: (128, float("inf")), 2: (128, float("inf"))}
+    monkeypatch.setattr(blocksparse, "FORWARD_ROWS", {c: {4: (128, 0, float("inf")), 2: (128, 0, float("inf"))}
                                                       for c in (False, True)})
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
     monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
@@ -317,8 +317,8 @@ def test_blocksparse_backward_row_kernels_hold_by_the_mean_row():
 
 
 def test_blocksparse_forward_takes_row_kernels_where_they_measured_faster(monkeypatch):
-    """Row kernels: 16-bit layouts with a mean row under 2048, float32 under 512; causal ones only for blocks of 16
-    (and 32 in 16 bits). Else the tile kernels."""
+    """Row kernels: 16-bit layouts with a mean row under 2048, float32 under 512; causal ones with a mean row from 512
+    to 2048 and blocks of up to 32 (float32) or 64 (16-bit). Else the tile kernels."""
     from multisoft._blocksparse import lookup_table
     from multisoft_triton import blocksparse
 
@@ -334,8 +334,9 @@ def test_blocksparse_forward_takes_row_kernels_where_they_measured_faster(monkey
 
     assert path(64, 7, torch.float32, False) == "rows" and path(16, 64, torch.float32, False) == "tiles"
     assert path(16, 64, torch.bfloat16, False) == "rows" and path(64, 32, torch.bfloat16, False) == "tiles"
-    assert path(16, 64, torch.float32, True) == "rows" and path(32, 32, torch.float32, True) == "tiles"
-    assert path(32, 32, torch.bfloat16, True) == "rows" and path(64, 16, torch.bfloat16, True) == "tiles"
+    assert path(32, 32, torch.float32, True) == "rows" and path(64, 16, torch.float32, True) == "tiles"
+    assert path(64, 16, torch.bfloat16, True) == "rows" and path(128, 8, torch.bfloat16, True) == "tiles"
+    assert path(64, 7, torch.bfloat16, True) == "tiles" and path(64, 32, torch.bfloat16, True) == "tiles"
 
 
 def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():

@@ -15,9 +15,9 @@ reads its tiles again (the last one excepted).
 
 Causal masking keeps a prefix of each row: the look-up table lists a block-row's blocks
 by ascending column, so the elements kept are those of the blocks left of the diagonal,
-then i + 1 of the diagonal block if the row has it (_causal_kept, counted once per row
-by the row's lanes together: by the float kernel while the row's first tile loads, by the
-16-bit one before, reading no vector wholly past it); elements past the prefix are -inf.
+then i + 1 of the diagonal block if the row has it (the front's lut.causal, _causal_kept);
+elements past the prefix are -inf (the float kernel reads the row's vectors and masks them,
+the 16-bit one reads no vector wholly past the prefix).
 """
 
 import functools
@@ -82,21 +82,10 @@ def _vector_at(base, v, log2b, log2v):
 
 
 @device_function
-def _causal_kept(columns, first, n_blocks, r, i, lane, lanes, log2b):
-    """Elements of row i of block-row r that the causal mask keeps, a prefix of the row (see above). Each lane
-    counts every lanes-th block, 2 for a block left of the diagonal and 1 for the diagonal one (there is at most
-    one); one sum over the lanes, exact in float32."""
-    count = float32(0.0)
-    k = lane
-    while k < n_blocks:
-        column = int64(columns[uint64(first + k)])
-        if column < r:
-            count += float32(2.0)
-        elif column == r:
-            count += float32(1.0)
-        k += lanes
-    total = int64(lanes_sum(count))
-    return ((total >> 1) << log2b) + (i + 1 if total & 1 else int64(0))
+def _causal_kept(causal, group, i, log2b):
+    """Elements of row i of block-row `group` that the causal mask keeps, a prefix of the row (lut.causal)."""
+    c = int64(causal[group])
+    return ((c >> 1) << log2b) + (i + 1 if c & 1 else int64(0))
 
 
 @functools.cache
@@ -139,7 +128,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 write(out, _vector_at(base, v, log2b, log2v), vals, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_forward(x, out, offsets, columns, batch, rows, nnz, block_rows, log2b, log2v, scale):
+    def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, scale):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
         z = int64(cuda.blockIdx.y)
@@ -147,7 +136,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
                 first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
-                kept = int64(0)
+                kept = _causal_kept(causal_prefix, group, i, log2b) if causal else int64(0)
                 tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
                 m = NEG_INF
@@ -155,9 +144,6 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 for t in range(tiles):
                     load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale)
                     if causal:
-                        if t == 0:   # counted while the first tile loads
-                            kept = _causal_kept(columns, first, n_vectors >> log2v, group % block_rows, i, lane,
-                                                lanes, log2b)
                         mask_past(vals, t, lane, kept)
                     top = NEG_INF
                     for k in range(floats):
@@ -344,7 +330,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                 write(out, _vector_at(base, v, log2b, log2v), vec, 0)
 
     @_jit(lanes * warps)
-    def blocksparse_forward_packed(x, out, offsets, columns, batch, rows, nnz, block_rows, log2b, log2v, scale):
+    def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, scale):
         shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
         words = cuda.local.array(held, int32)
@@ -357,8 +343,8 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                 first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 read_vectors = n_vectors   # vectors read: those holding kept elements
                 kept = int64(0)
-                if causal:   # counted before the loads: counting while they load, as the float kernel does, was slower here
-                    kept = _causal_kept(columns, first, n_vectors >> log2v, group % block_rows, i, lane, lanes, log2b)
+                if causal:
+                    kept = _causal_kept(causal_prefix, group, i, log2b)
                     read_vectors = (kept + width - 1) // width
                 tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s) of the scores
@@ -519,8 +505,7 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
     build = _forward_packed_kernel if _packed(width, x.element_size()) and scale > 0 else _forward_kernel
     launch(build(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
-           (*views, lut.offsets, lut.columns, batch, rows, nnz, numpy.int64(lut.block_rows), log2b, log2v,
-            numpy.float32(scale)))
+           (*views, lut.offsets, lut.causal, batch, rows, nnz, log2b, log2v, numpy.float32(scale)))
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:

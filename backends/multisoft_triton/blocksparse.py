@@ -158,29 +158,29 @@ ROW_MIN_BLOCKS = {4: 8, 2: 4}
 TILES_FROM = {4: 2048, 2: float("inf")}
 ROW_WARPS = 4
 # The forward's row kernels (the same programs and held blocks, each held element's exponential kept, a causal row's
-# kept prefix counted while its held blocks load) where they measured faster: FORWARD_ROWS[causal][element size]
-# is (the largest block, the mean row below which); the rest take the tile and loop kernels. Measured on an H200
-# in session 16 (tuning/triton-blocksparse-forward-rows.txt), rows against tiles: bf16 0.64-0.72 ->
-# 0.70-0.76 on the 25 % layouts, 0.77 -> 0.57 at 50 %; fp32 0.86 -> 0.91 at 11 %, 0.83-0.92 -> 0.82-0.85 at 25 %;
-# causal b16 0.64 -> 0.68 (fp32) and 0.45 -> 0.54 (bf16), b32 bf16 0.54 -> 0.57, larger blocks 0.01-0.27 slower
-# (those rows past the held blocks, streamed twice, cost more than the tiles' padding). Holding 1024 or 256
+# kept prefix from lut.causal) where they measured faster: FORWARD_ROWS[causal][element size] is (the largest block,
+# the mean row from which, and below which); the rest take the tile and loop kernels. Measured on an H200 in session
+# 16 (tuning/triton-blocksparse-forward-rows.txt), rows against tiles: bf16 0.64-0.72 -> 0.70-0.76 on the 25 %
+# layouts, 0.77 -> 0.57 at 50 %; fp32 0.86 -> 0.91 at 11 %, 0.83-0.92 -> 0.82-0.85 at 25 %; causal 25 % layouts
+# (mean row 1024) b16-b32 0.64-0.71 -> 0.73 (fp32), b16-b64 0.46-0.58 -> 0.57-0.60 (bf16), the others 0.01-0.27
+# slower (those rows past the held blocks, streamed twice, cost more than the tiles' padding). Holding 1024 or 256
 # elements, or 2 or 8 rows a program, lost.
 ROW_FORWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels only
-FORWARD_ROWS = {False: {4: (128, 512), 2: (128, 2048)}, True: {4: (16, 2048), 2: (32, 2048)}}
+FORWARD_ROWS = {False: {4: (128, 0, 512), 2: (128, 0, 2048)}, True: {4: (32, 512, 2048), 2: (64, 512, 2048)}}
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
 
 
 @triton.jit
-def _row_program(offsets_ptr, block_rows, ROWS: tl.constexpr, B: tl.constexpr):
-    """This program's block-row (within its head), its first block, its block count, and its rows in the block."""
+def _row_program(offsets_ptr, ROWS: tl.constexpr, B: tl.constexpr):
+    """This program's block-row (of all heads' block-rows), its first block, its block count, its rows in the block."""
     PARTS: tl.constexpr = B // ROWS
     pid = tl.program_id(0)
     group = pid // PARTS
     i = (pid % PARTS) * ROWS + tl.arange(0, ROWS)
     start = tl.load(offsets_ptr + group)
     count = tl.load(offsets_ptr + group + 1) - start
-    return group % block_rows, start, count, i
+    return group, start, count, i
 
 
 @triton.jit
@@ -196,9 +196,9 @@ def _row_slab(start, count, i, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale, zero,
+def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, scale, zero,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, RAW: tl.constexpr):
-    _, start, count, i = _row_program(offsets_ptr, block_rows, ROWS, B)
+    _, start, count, i = _row_program(offsets_ptr, ROWS, B)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
     y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0)
     dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
@@ -220,17 +220,10 @@ def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, block_rows, scale,
 
 
 @triton.jit
-def _causal_kept(columns_ptr, start, count, row_block, i, BLOCKS: tl.constexpr, B: tl.constexpr):
-    """Elements of rows i of block-row row_block that the causal mask keeps: a prefix of each row, since a
-    block-row's blocks ascend by column (those left of the diagonal, then i + 1 of the diagonal block if any)."""
-    before = 0
-    diagonal = 0
-    for first in range(0, count, BLOCKS):
-        k = first + tl.arange(0, BLOCKS)
-        column = tl.load(columns_ptr + start + k, mask=k < count, other=row_block + 1)
-        before += tl.sum((column < row_block).to(tl.int32), axis=0)
-        diagonal += tl.sum((column == row_block).to(tl.int32), axis=0)
-    return before * B + diagonal * (i + 1)
+def _causal_kept(causal_ptr, group, i, B: tl.constexpr):
+    """Elements of rows i of block-row `group` that the causal mask keeps, a prefix of each row (lut.causal)."""
+    c = tl.load(causal_ptr + group)
+    return (c >> 1) * B + (c & 1) * (i + 1)
 
 
 @triton.jit
@@ -243,16 +236,16 @@ def _row_scores(x, mask, kept, first_block, scale, BLOCKS: tl.constexpr, B: tl.c
 
 
 @triton.jit
-def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, block_rows, scale, columns_ptr,
+def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, scale, causal_ptr,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr):
     """The held blocks' exponentials stay in registers (one exponential per element); the rest of a longer row
     is streamed for an online max and sum, then again for its output."""
-    row_block, start, count, i = _row_program(offsets_ptr, block_rows, ROWS, B)
+    group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
     x0 = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     kept = i
-    if CAUSAL:  # counted while the held blocks load
-        kept = _causal_kept(columns_ptr, start, count, row_block, i, BLOCKS, B)
+    if CAUSAL:
+        kept = _causal_kept(causal_ptr, group, i, B)
     s0 = _row_scores(x0, mask, kept, 0, scale, BLOCKS, B, CAUSAL)
     held_max = tl.max(tl.max(s0, axis=2), axis=1)
     e0 = fast_exp(s0 - safe_shift(held_max)[:, None, None])
@@ -295,7 +288,7 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, **constexprs):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
-            kernel[grid](*part, lut.offsets, lut.nnz, lut.block_rows, float(scale), *extra,
+            kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra,
                          BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
 
 
@@ -369,9 +362,9 @@ def forward(x, out, lut, scale, is_causal):
     if x.numel() == 0 or lut.max_blocks == 0:
         return
     causal = bool(is_causal)
-    largest_block, below = FORWARD_ROWS[causal][x.element_size()]
-    if ROW_FORWARD == "rows" and lut.block <= largest_block and lut.mean_blocks * lut.block < below:
-        _launch_rows(_fwd_rows_kernel, lut, (x, out), scale, lut.columns, CAUSAL=causal)
+    largest_block, low, high = FORWARD_ROWS[causal][x.element_size()]
+    if ROW_FORWARD == "rows" and lut.block <= largest_block and low <= lut.mean_blocks * lut.block < high:
+        _launch_rows(_fwd_rows_kernel, lut, (x, out), scale, lut.causal, CAUSAL=causal)
         return
     _launch((_fwd_tile_kernel, _fwd_loop_kernel), lut, (x, out), scale, "forward", CAUSAL=causal)
 

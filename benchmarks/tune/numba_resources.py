@@ -98,7 +98,7 @@ def blocksparse_configurations():
             forward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width, causal=causal)[3]
             found.append((f"bs-fwd-{name}{'-causal' if causal else ''}{tag}-{forward}",
                           build_forward(fmt, width, causal, forward, lanes, warps),
-                          (arr, arr, table, table, *sizes, types.int64, types.int64, types.float32),
+                          (arr, arr, table, table, *sizes[:3], types.int64, types.int64, types.float32),
                           lanes * warps))
         found.append((f"bs-bwd-{name}{tag}-{backward}", build_backward(fmt, width, backward, lanes, warps),
                       (arr, arr, arr, table, *sizes, types.int64, types.float32), lanes * warps))

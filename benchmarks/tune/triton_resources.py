@@ -89,13 +89,13 @@ def configurations():
             found.append((f"blocksparse-bwd-b{block}x{blocks}-{dtype}", blocksparse._bwd_tile_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **table},
                           {"BLOCKS": slab, "ROWS": rows, "B": block}, warps))
-        rows_table = {"offsets_ptr": "*i32", "nnz": "i32", "block_rows": "i32", "scale": "fp32"}
+        rows_table = {"offsets_ptr": "*i32", "nnz": "i32", "scale": "fp32"}
         for block, blocks in ((16, 32), (64, 8), (64, 16)):
             rows = min(block, blocksparse.ROW_WARPS)
             for causal in (False, True):
                 found.append((f"blocksparse-fwd-rows-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
                               blocksparse._fwd_rows_kernel,
-                              {"x_ptr": ptr, "out_ptr": ptr, **rows_table, "columns_ptr": "*i32"},
+                              {"x_ptr": ptr, "out_ptr": ptr, **rows_table, "causal_ptr": "*i32"},
                               {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal},
                               blocksparse.ROW_WARPS))
             found.append((f"blocksparse-bwd-rows-b{block}x{blocks}-{dtype}", blocksparse._bwd_rows_kernel,
