@@ -13,6 +13,7 @@ CSV files, ``results.md`` and PNG plots (see ``benchmarks/README.md``).
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import dataclasses
 import importlib.metadata
@@ -1061,22 +1062,20 @@ def _targets_section(timings: list[Timing]) -> list[str]:
         cells = [t for t in held if t.impl == impl]
         target = target_of(impl)
         below = [t for t in cells if t.fraction_of_copy is None or round(t.fraction_of_copy, 2) < target]
-        below_of[impl] = below
-        counts = {}
-        for t in below:
-            counts[f"{t.op} {t.direction}"] = counts.get(f"{t.op} {t.direction}", 0) + 1
+        below_of[impl] = target, below
+        counts = collections.Counter(f"{t.op} {t.direction}" for t in below)
         lines.append(f"| {impl} | {target:.2f} | {len(cells)} | {len(below)} | "
                      + ", ".join(f"{key} {count}" for key, count in counts.items()) + " |")
     lines.append("")
-    for impl, below in below_of.items():
+    for impl, (target, below) in below_of.items():
         if not below:
             continue
-        lines += [f"<details><summary>{impl}: the {len(below)} cells below {target_of(impl):.2f}</summary>", "",
+        lines += [f"<details><summary>{impl}: the {len(below)} cells below {target:.2f}</summary>", "",
                   "| op | direction | shape | dtype | fraction of copy | note |", "|---|---|---|---|---:|---|"]
         for t in below:
             bound = copies.get((t.shape, t.dtype, t.bytes))
             note = t.note or (f"a copy of its bytes reaches {bound:.2f}" if bound is not None
-                              and round(bound, 2) < target_of(impl) else "")
+                              and round(bound, 2) < target else "")
             lines.append(f"| {t.op} | {t.direction} | {t.shape} | {t.dtype} | {_number(t.fraction_of_copy, 2)} | "
                          f"{note} |")
         lines += ["", "</details>", ""]

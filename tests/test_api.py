@@ -304,7 +304,6 @@ def test_lookup_table_lists_each_block_rows_blocks_by_ascending_column():
         assert row == sorted(row) and row == layout.view(27, 40)[g].nonzero().flatten().tolist()
 
 
-
 def test_lookup_table_causal_prefix_is_what_the_mask_keeps():
     layout = (torch.rand(2, 7, 9) < 0.5).long()
     layout[0, 3, 3] = 1
