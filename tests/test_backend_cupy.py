@@ -199,7 +199,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
                         lambda t, src, expr, grid, block, args, shared_mem=0: calls.append((src, expr, args)))
     for mod in (softmax, cross_entropy, blocksparse):
         monkeypatch.setattr(mod, "launch", _module.launch, raising=True)
-    for mod in (softmax, cross_entropy):
+    for mod in (softmax, cross_entropy, blocksparse):
         monkeypatch.setattr(mod, "device_info", lambda index: (90, 132))
         monkeypatch.setattr(mod, "device_index", lambda t: 0)
     monkeypatch.setattr(softmax, "shared_memory", lambda index: 227 * 1024)
@@ -223,9 +223,14 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     layout = torch.ones(1, 2, 2, dtype=torch.long)
     lut = lookup_table(layout, 16, "cpu")
     xb = torch.randn(1, lut.nnz, 16, 16)
-    blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
-    blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
-    assert len(calls) == 12
+    monkeypatch.setattr(blocksparse, "STAGED_FROM", 0)
+    for staged in (True, False):
+        monkeypatch.setattr(blocksparse, "STAGED", staged)
+        blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
+        blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
+    assert [expression.split("<")[0] for _, expression, _ in calls[-4:]] == ["bs_fwd_staged", "bs_bwd", "bs_fwd",
+                                                                             "bs_bwd"]
+    assert len(calls) == 14
     for source, expression, args in calls:
         params = _kernel_parameters(source, expression.split("<")[0])
         assert len(params) == len(args), expression
@@ -511,6 +516,7 @@ def test_second_device():
 def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
     """Rows longer than one tile (read twice), and element-wise loads when the blocks are not 16-byte aligned."""
     _, _, blocksparse = _kernels()
+    monkeypatch.setattr(blocksparse, "STAGED", False)
     monkeypatch.setattr(blocksparse, "FORWARD_FLOATS", {4: (1,), 2: (1,)})
     monkeypatch.setattr(blocksparse, "BACKWARD_FLOATS", {4: (1,), 2: (1,)})
     g = torch.Generator().manual_seed(3)
@@ -539,6 +545,7 @@ def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
     """Each compiled tile size, forward and backward, on rows of one to several tiles (whichever the layout's mean
     row would choose), with and without the causal mask and with a negative scale."""
     _, _, blocksparse = _kernels()
+    monkeypatch.setattr(blocksparse, "STAGED", False)
     monkeypatch.setattr(_catalog, "blocksparse_config", lambda *_: cfg)
     g = torch.Generator().manual_seed(cfg.vpt)
     layout = random_layout(2, 6, 160, g)
@@ -555,6 +562,74 @@ def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
         dx = torch.empty_like(x)
         blocksparse.backward(y, dy, dx, lut, scale)
         check(dx, blocksparse_backward_reference(y, dy, lut, scale), dtype, "backward")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cap", _catalog.BLOCKSPARSE_STAGED_CAPS)
+def test_blocksparse_every_staged_buffer(cap, dtype, monkeypatch):
+    """The staged forward with each compiled shared-memory buffer, on rows of one to several parts (rows of up to
+    2560 elements; the smallest buffer holds 256 float32 or 512 16-bit ones), with and without the causal mask (a
+    row with no kept element among them), with a negative and a zero scale; the backward of its output."""
+    _, _, blocksparse = _kernels()
+    smallest = _catalog.BLOCKSPARSE_STAGED_CAPS[0] * 8  # 16-bit elements the smallest buffer holds
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_CAPS", (cap,))
+    g = torch.Generator().manual_seed(cap)
+    layout = random_layout(2, 6, 160, g)
+    layout[1, 5, :5] = 0
+    layout[1, 5, 7] = 1  # only above the diagonal: fully masked when causal
+    lut = lookup_table(layout, 16, _device())
+    assert lut.max_blocks * 16 > 2 * smallest  # three parts or more
+    x = torch.randn(2, lut.nnz, 16, 16, device=_device()).to(dtype)
+    dy = torch.randn_like(x)
+    for causal, scale in ((False, 0.5), (True, 0.5), (False, -0.8), (True, 0.0)):
+        y = torch.full_like(x, float("nan"))
+        blocksparse.forward(x, y, lut, scale, causal)
+        check(y, reference_blocksparse(x, layout.to(_device()), 16, scale, causal), dtype,
+              f"forward causal={causal} scale={scale}")
+        dx = torch.full_like(x, float("nan"))
+        blocksparse.backward(y, dy, dx, lut, scale)
+        check(dx, blocksparse_backward_reference(y, dy, lut, scale), dtype, "backward")
+
+
+def test_blocksparse_forward_stages_rows_where_it_measured_faster(monkeypatch):
+    """Staged: 16-byte aligned blocks on sm_80+ and a mean row of STAGED_FROM elements or more, in a buffer for the
+    longest row or STAGED_MARGIN times the mean row if less (longer rows are staged in parts); else the register
+    kernel."""
+    import types
+
+    if importlib.util.find_spec("cupy") is None:
+        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    from multisoft_cupy import blocksparse
+
+    cc = {"value": 90}
+    monkeypatch.setattr(blocksparse, "device_info", lambda index: (cc["value"], 132))
+    monkeypatch.setattr(blocksparse, "device_index", lambda t: 0)
+    x = torch.empty(64, dtype=torch.bfloat16)
+
+    def staged(mean_blocks, max_blocks, tensor=x):
+        lut = SimpleNamespace(block=16, mean_blocks=mean_blocks, max_blocks=max_blocks)
+        return blocksparse._staged_config(tensor, tensor, lut)
+
+    assert staged(64, 75).cap == 256  # 1200 16-bit elements: 150 vectors
+    assert staged(64, 130).cap == 256  # 1.25 x 1024 elements, not the longest row's 2080
+    assert staged(40, 42).cap == 128  # the longest row, 672 elements: 84 vectors
+    assert staged(256, 1024).cap == 1024  # 5120 elements: the largest buffer, rows in parts
+    assert staged(blocksparse.STAGED_FROM / 16 - 1, 75) is None  # short rows
+    assert staged(64, 75, torch.empty(65, dtype=torch.bfloat16)[1:]) is None  # not 16-byte aligned
+    cc["value"] = 75
+    assert staged(64, 75) is None
+
+
+def test_blocksparse_staged_buffer_holds_the_row():
+    """The smallest compiled buffer that holds the row length asked for, else the largest; none before sm_80."""
+    caps = _catalog.BLOCKSPARSE_STAGED_CAPS
+    assert _catalog.blocksparse_staged_config(caps[0] * 8, 2, 90).cap == caps[0]
+    assert _catalog.blocksparse_staged_config(caps[0] * 8 + 16, 2, 90).cap == caps[1]
+    assert _catalog.blocksparse_staged_config(caps[0] * 8, 4, 80).cap == caps[1]
+    assert _catalog.blocksparse_staged_config(1 << 20, 4, 90).cap == caps[-1]
+    assert _catalog.blocksparse_staged_config(1024, 2, 75) is None
+    assert _catalog.blocksparse_staged_config(2048.5, 4, 90).cap == caps[4]
 
 
 # ---- measured exceptions (SOFTMAX_RULES, CE_FWD_RULES) and register-capped configurations ----

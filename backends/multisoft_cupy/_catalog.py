@@ -77,6 +77,26 @@ BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4
                        RowConfig(32, 4, 16))
 
 
+class BlockSparseStaged(NamedTuple):
+    """The staged forward: WARPS rows per block (a warp each), each staged CAP 16-byte vectors at a time; UNROLL
+    vectors a lane works on at once; MIN_BLOCKS resident blocks per multiprocessor (0: the default)."""
+
+    warps: int
+    cap: int
+    unroll: int = 1
+    min_blocks: int = 0
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.warps * self.cap * 16
+
+
+BLOCKSPARSE_STAGED_WARPS = 2
+BLOCKSPARSE_STAGED_CAPS = (64, 128, 256, 512, 1024)
+BLOCKSPARSE_STAGED_UNROLL = 1
+BLOCKSPARSE_STAGED_MIN_BLOCKS = 0
+
+
 class StagedConfig(NamedTuple):
     """Rows staged in shared memory: TPR threads per row (a block, or a warp of ROWS per block),
     CLUSTER blocks per row (TPR > 32 only), SLICE columns per row group."""
@@ -179,6 +199,10 @@ def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
     return _row_kernel(f"bs_{direction}", ctype, cfg)
 
 
+def blocksparse_staged_kernel(ctype: str, cfg: BlockSparseStaged) -> str:
+    return f"bs_fwd_staged<{ctype}, {cfg.warps}, {cfg.cap}, {cfg.unroll}, {cfg.min_blocks}>"
+
+
 def _usable(configs, cc: int):
     return [c for c in configs if c.cluster == 1 or cc >= CLUSTER_MIN_CC]
 
@@ -197,7 +221,8 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
         return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
     if source == "blocksparse.cu":
-        return tuple(blocksparse_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in BLOCKSPARSE_CONFIGS)
+        staged = [blocksparse_staged_kernel(ctype, _staged(cap)) for cap in BLOCKSPARSE_STAGED_CAPS]
+        return tuple([blocksparse_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in BLOCKSPARSE_CONFIGS] + staged)
     raise ValueError(f"unknown source {source!r}")
 
 
@@ -329,6 +354,19 @@ def blocksparse_config(row_length: float, elem_size: int, floats_per_thread: int
     more tiles), at most `floats_per_thread` values per thread."""
     fitting = [c for c in BLOCKSPARSE_CONFIGS if c.vpt * (16 // elem_size) <= floats_per_thread]
     return _smallest_fitting(fitting or BLOCKSPARSE_CONFIGS[:1], row_length, elem_size)
+
+
+def _staged(cap: int) -> BlockSparseStaged:
+    return BlockSparseStaged(BLOCKSPARSE_STAGED_WARPS, cap, BLOCKSPARSE_STAGED_UNROLL, BLOCKSPARSE_STAGED_MIN_BLOCKS)
+
+
+def blocksparse_staged_config(row_length: float, elem_size: int, cc: int) -> BlockSparseStaged | None:
+    """The staged forward (sm_80+): the smallest compiled buffer that holds `row_length` elements, else the
+    largest (longer rows are staged in parts, twice); None before sm_80."""
+    if cc < 80:
+        return None
+    vectors = math.ceil(row_length / (16 // elem_size))
+    return _staged(next((c for c in BLOCKSPARSE_STAGED_CAPS if c >= vectors), BLOCKSPARSE_STAGED_CAPS[-1]))
 
 
 def grid_blocks(rows: int, cfg: RowConfig) -> int:

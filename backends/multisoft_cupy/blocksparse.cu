@@ -291,3 +291,190 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_bwd(const T* y, const T* dy, T* dx,
         else bs_bwd_row<T, VPT, false>(y, dy, dx, row, scale);
     }
 }
+
+// ---------------------------------------------------------------------------
+// Rows staged in shared memory (sm_80+, 16-byte aligned blocks), forward. A warp per row copies the row's vectors
+// that hold a kept element (a causal row's prefix, lut.causal) into a buffer of its own (CAP vectors) with cp.async
+// and works there, so the bytes in flight are bounded by shared memory rather than by registers, and a row of up
+// to CAP vectors is read from global memory once, whatever its length; a longer row is staged CAP vectors at a
+// time, twice. Zeros are written past the kept prefix without reading. A lane reads back only the vectors it
+// copied, so the copies need no barrier.
+// ---------------------------------------------------------------------------
+template <int LOG2VEC>
+struct BsStagedRow {
+    i64 base;     // element offset of the row in block 0
+    int log2b;
+    int vectors;  // VEC-element vectors in the row
+    int kept;     // elements kept (a prefix of the row)
+
+    // Element offset of the row's vector v.
+    __device__ __forceinline__ i64 offset(int v) const {
+        const int log2vpb = log2b - LOG2VEC;
+        return base + ((i64)(v >> log2vpb) << (2 * log2b)) + ((v & ((1 << log2vpb) - 1)) << LOG2VEC);
+    }
+};
+
+template <int LOG2VEC>
+__device__ __forceinline__ BsStagedRow<LOG2VEC> bs_staged_row(const int* offsets, const int* causal_prefix, i64 rid,
+                                                              i64 nnz, i64 groups, int log2b, bool causal) {
+    i64 z, hr;
+    divmod(rid >> log2b, groups, z, hr);
+    const int i = (int)(rid & ((1 << log2b) - 1));
+    const int o0 = offsets[hr];
+    const int length = (offsets[hr + 1] - o0) << log2b;
+    BsStagedRow<LOG2VEC> row;
+    row.base = ((z * nnz + o0) << (2 * log2b)) + ((i64)i << log2b);
+    row.log2b = log2b;
+    row.vectors = length >> LOG2VEC;
+    row.kept = length;
+    if (causal) {
+        const int c = causal_prefix[hr];
+        row.kept = min(length, ((c >> 1) << log2b) + (c & 1) * (i + 1));
+    }
+    return row;
+}
+
+// Starts copying the row's vectors first .. first + count - 1 of `src` into buf (this lane's: lane, lane + 32, ...);
+// cp_async_wait_all() waits for them.
+template <typename T, int LOG2VEC>
+__device__ __forceinline__ void bs_stage(uint4* buf, const T* src, const BsStagedRow<LOG2VEC>& row, int first,
+                                         int count, int lane) {
+    for (int v = lane; v < count; v += 32) cp_async16(buf + v, src + row.offset(first + v));
+}
+
+// The largest score (scale * x) among a staged vector's elements 0 .. valid - 1, as the raw word(s) that hold
+// it: the elements' bits are xor-ed with `flip` (their sign bits when scale < 0, so that the largest is the
+// smallest x, negated) and masked ones set to -inf; 16-bit pairs are compared as they are (max_pairs, NaN kept).
+template <typename T>
+__device__ __forceinline__ u32 bs_max_word(const uint4& q, u32 flip, int valid) {
+    constexpr int VEC = BsVec<T>::VEC;
+    constexpr int PER_WORD = Elem<T>::PER_WORD;
+    u32 w[4] = {q.x ^ flip, q.y ^ flip, q.z ^ flip, q.w ^ flip};
+    if (valid < VEC) {
+        const u32 none = Elem<T>::bits(-MS_INF) & (PER_WORD == 1 ? ~0u : 0xffffu);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            if (e < valid) continue;
+            u32& word = w[e / PER_WORD];
+            if constexpr (PER_WORD == 1) word = none;
+            else word = e % 2 ? (word & 0xffffu) | (none << 16) : (word & 0xffff0000u) | none;
+        }
+    }
+    if constexpr (PER_WORD == 1) {
+        return __float_as_uint(fmaxf(fmaxf(__uint_as_float(w[0]), __uint_as_float(w[1])),
+                                     fmaxf(__uint_as_float(w[2]), __uint_as_float(w[3]))));
+    } else {
+        return max_pairs<T>(max_pairs<T>(w[0], w[1]), max_pairs<T>(w[2], w[3]));
+    }
+}
+
+// Two floats as one word of two 16-bit values (lo in the low half), rounded to nearest even.
+template <typename T> __device__ __forceinline__ u32 bs_pack_pair(float lo, float hi);
+template <> __device__ __forceinline__ u32 bs_pack_pair<bf16_t>(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+template <> __device__ __forceinline__ u32 bs_pack_pair<f16_t>(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// VEC floats as one 16-byte vector of T.
+template <typename T>
+__device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
+    if constexpr (Elem<T>::PER_WORD == 1) {
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+    } else {
+        return make_uint4(bs_pack_pair<T>(f[0], f[1]), bs_pack_pair<T>(f[2], f[3]), bs_pack_pair<T>(f[4], f[5]),
+                          bs_pack_pair<T>(f[6], f[7]));
+    }
+}
+
+// out = softmax(scale * x) of each row; dynamic shared memory: WARPS x CAP x 16 bytes. With c = scale * log2(e)
+// and t = c * x* (x* the element of the largest score), exp(scale * x - scale * x*) = 2^(c * x - t) takes one
+// FMA and ex2 per element; t's rounding is common to every term of a row and cancels in the quotient. A row
+// staged in parts keeps its sum s for the t so far and rescales it by 2^(t_old - t_new) with the same rounded t.
+// UNROLL: vectors a lane works on at once in the max and sum passes; MIN_BLOCKS: see MS_ROW_KERNEL_MIN.
+template <typename T, int WARPS, int CAP, int UNROLL = 1, int MIN_BLOCKS = 0>
+MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, const int* offsets, const int* causal_prefix, i64 Z,
+                                        i64 nnz, i64 groups, int log2b, float scale, int causal) {
+    using V = BsVec<T>;
+    constexpr int VEC = V::VEC;
+    extern __shared__ uint4 stage[];
+    const int lane = threadIdx.x % 32;
+    uint4* buf = stage + (threadIdx.x / 32) * CAP;
+    const i64 total_rows = (Z * groups) << log2b;
+    const float c = scale * 1.4426950408889634f;
+    const u32 flip = scale < 0.f ? (Elem<T>::PER_WORD == 1 ? 0x80000000u : 0x80008000u) : 0u;
+    const float magnitude = fabsf(c);
+    for (i64 rid = (i64)blockIdx.x * WARPS + threadIdx.x / 32; rid < total_rows; rid += (i64)gridDim.x * WARPS) {
+        const auto row = bs_staged_row<V::LOG2VEC>(offsets, causal_prefix, rid, nnz, groups, log2b, causal != 0);
+        const int loaded = (row.kept + VEC - 1) >> V::LOG2VEC;  // vectors holding a kept element
+        // 2^(c * x - t) of the staged vector v's elements, 0 past the kept prefix
+        auto terms = [&](const uint4& q, int v, float t, float (&f)[VEC]) {
+            const int valid = row.kept - v * VEC;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) f[e] = exp2_approx(fmaf(V::get(q, e), c, -t));
+            if (valid < VEC) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) f[e] = e < valid ? f[e] : 0.f;
+            }
+        };
+        float t = -MS_INF, s = 0.f;
+        for (int first = 0; first < loaded; first += CAP) {
+            const int count = min(CAP, loaded - first);
+            bs_stage(buf, x, row, first, count, lane);
+            cp_async_wait_all();
+            u32 top = Elem<T>::bits(-MS_INF) * (Elem<T>::PER_WORD == 1 ? 1u : 0x10001u);
+#pragma unroll UNROLL
+            for (int v = lane; v < count; v += 32) {
+                const u32 w = bs_max_word<T>(buf[v], flip, row.kept - (first + v) * VEC);
+                if constexpr (Elem<T>::PER_WORD == 1) top = __float_as_uint(fmaxf(__uint_as_float(top), __uint_as_float(w)));
+                else top = max_pairs<T>(top, w);
+            }
+            // the part's largest score times log2(e): |c| * (the largest flipped x)
+            const float top_x = Elem<T>::PER_WORD == 1 ? __uint_as_float(top)
+                                                       : fmaxf(Elem<T>::get(top, 0), Elem<T>::get(top, 1));
+            const float t_new = fmaxf(t, warp_max(top_x * magnitude));
+            if (t_new == -MS_INF) continue;  // nothing kept so far
+            float acc = 0.f;
+#pragma unroll UNROLL
+            for (int v = lane; v < count; v += 32) {
+                float f[VEC];
+                terms(buf[v], first + v, t_new, f);
+#pragma unroll
+                for (int step = 1; step < VEC; step *= 2)  // a tree: log2(VEC) dependent adds, not VEC
+#pragma unroll
+                    for (int e = 0; e < VEC; e += 2 * step) f[e] += f[e + step];
+                acc += f[0];
+            }
+            s = s * exp2_approx(t - t_new) + warp_sum(acc);
+            t = t_new;
+        }
+        int zeros_from = loaded;
+        if (t == -MS_INF) {
+            zeros_from = 0;  // every element masked
+        } else {
+            const float inv = 1.f / s;
+            for (int first = 0; first < loaded; first += CAP) {
+                const int count = min(CAP, loaded - first);
+                if (loaded > CAP) {
+                    bs_stage(buf, x, row, first, count, lane);
+                    cp_async_wait_all();
+                }
+#pragma unroll 2
+                for (int v = lane; v < count; v += 32) {
+                    float f[VEC];
+                    terms(buf[v], first + v, t, f);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) f[e] *= inv;
+                    *reinterpret_cast<uint4*>(out + row.offset(first + v)) = bs_pack<T>(f);
+                }
+            }
+        }
+        for (int v = zeros_from + lane; v < row.vectors; v += 32)
+            *reinterpret_cast<uint4*>(out + row.offset(v)) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}

@@ -5,12 +5,22 @@ from __future__ import annotations
 import torch
 
 from . import _catalog
-from ._module import aligned, ctype, f32, i32, i64, launch, ptr
+from ._module import aligned, ctype, device_index, device_info, f32, i32, i64, launch, ptr
 
 SOURCE = "blocksparse.cu"
-# Values each thread holds in registers (a row longer than a warp's share is read in tiles, twice): the forward
-# keeps one value per element, the backward two. By element size, choices: the first whose tile (a warp's share)
-# holds the layout's mean row, else the last; the tile itself is then the smallest that holds the mean row.
+# The forward stages rows in shared memory (bs_fwd_staged) on sm_80+ where the blocks are 16-byte aligned and the
+# layout's mean row is STAGED_FROM elements or more; else, and in the backward, a warp per row holds a tile in
+# registers (bs_fwd, bs_bwd). Its buffer holds the longest row, or STAGED_MARGIN times the mean row if that is
+# less: a larger buffer leaves room for fewer warps (longer rows are staged in parts, twice). Measured on an H200
+# (tuning/cupy-blocksparse-staged.txt), staged against registers: bf16 0.64-0.80 -> 0.70-0.91 of copy, float32
+# 0.78-0.92 -> 0.86-0.96; the 11 % layouts (mean row about 450) lost (0.61 against 0.64 bf16, 0.73 against 0.81
+# float32 causal), and the backward staged lost (0.32-0.80 against 0.75-0.91 on causal layouts).
+STAGED = True
+STAGED_FROM = 512
+STAGED_MARGIN = 1.25
+# Values each thread of the register kernels holds (a row longer than a warp's share is read in tiles, twice): the
+# forward keeps one value per element, the backward two. By element size, choices: the first whose tile (a warp's
+# share) holds the layout's mean row, else the last; the tile itself is then the smallest that holds the mean row.
 # Measured on an H200 with session 14's kernels (tuning/blocksparse-lean-round*.txt): 64 lost in the forward; the
 # bf16 backward gains from 40 (a 1280-element tile) where the mean row is just over 1024 (b16 at 25 % 0.80 -> 0.87)
 # and from 64 where it is about 2048 (50 % 0.80 -> 0.94). Sizing the tile for the mean rather than the longest row
@@ -19,25 +29,46 @@ FORWARD_FLOATS = {4: (32,), 2: (32,)}
 BACKWARD_FLOATS = {4: (32, 64), 2: (40, 64)}
 
 
-def _common(data: torch.Tensor, lut, choices: dict) -> tuple:
+def _sizes(data: torch.Tensor, lut) -> tuple:
     z, nnz, block, _ = data.shape
     groups = lut.heads * lut.block_rows
-    rows = z * groups * block
-    floats = _catalog.blocksparse_floats(choices[data.element_size()], lut.mean_blocks * block)
-    cfg = _catalog.blocksparse_config(lut.mean_blocks * block, data.element_size(), floats)
-    grid = (_catalog.grid_blocks(rows, cfg), 1, 1)
-    sizes = (i64(z), i64(nnz), i64(groups), i32(lut.block_rows), i32(block.bit_length() - 1))
-    return cfg, grid, sizes
+    return z * groups * block, (i64(z), i64(nnz), i64(groups)), i32(block.bit_length() - 1)
+
+
+def _staged_config(x: torch.Tensor, out: torch.Tensor, lut):
+    """The staged forward's configuration for this call, or None."""
+    if not STAGED or not aligned(x, out) or lut.mean_blocks * lut.block < STAGED_FROM:
+        return None
+    cc, _ = device_info(device_index(x))
+    row = min(lut.max_blocks, STAGED_MARGIN * lut.mean_blocks) * lut.block
+    return _catalog.blocksparse_staged_config(row, x.element_size(), cc)
+
+
+def _row_config(data: torch.Tensor, lut, choices: dict) -> tuple:
+    rows, _, _ = _sizes(data, lut)
+    floats = _catalog.blocksparse_floats(choices[data.element_size()], lut.mean_blocks * lut.block)
+    cfg = _catalog.blocksparse_config(lut.mean_blocks * lut.block, data.element_size(), floats)
+    return cfg, (_catalog.grid_blocks(rows, cfg), 1, 1)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
-    cfg, grid, sizes = _common(x, lut, FORWARD_FLOATS)
-    args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.columns), *sizes, f32(scale), i32(is_causal),
-            i32(aligned(x, out)))
+    rows, sizes, log2b = _sizes(x, lut)
+    staged = _staged_config(x, out, lut)
+    if staged is not None:
+        args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.causal), *sizes, log2b, f32(scale), i32(is_causal))
+        grid = (min(-(-rows // staged.warps), _catalog.MAX_GRID), 1, 1)
+        launch(x, SOURCE, _catalog.blocksparse_staged_kernel(ctype(x.dtype), staged), grid, (32 * staged.warps, 1, 1),
+               args, shared_mem=staged.shared_bytes)
+        return
+    cfg, grid = _row_config(x, lut, FORWARD_FLOATS)
+    args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.columns), *sizes, i32(lut.block_rows), log2b, f32(scale),
+            i32(is_causal), i32(aligned(x, out)))
     launch(x, SOURCE, _catalog.blocksparse_kernel("fwd", ctype(x.dtype), cfg), grid, (cfg.threads, 1, 1), args)
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
-    cfg, grid, sizes = _common(y, lut, BACKWARD_FLOATS)
-    args = (ptr(y), ptr(dy), ptr(dx), ptr(lut.offsets), *sizes, f32(scale), i32(aligned(y, dy, dx)))
+    _, sizes, log2b = _sizes(y, lut)
+    cfg, grid = _row_config(y, lut, BACKWARD_FLOATS)
+    args = (ptr(y), ptr(dy), ptr(dx), ptr(lut.offsets), *sizes, i32(lut.block_rows), log2b, f32(scale),
+            i32(aligned(y, dy, dx)))
     launch(y, SOURCE, _catalog.blocksparse_kernel("bwd", ctype(y.dtype), cfg), grid, (cfg.threads, 1, 1), args)
