@@ -12,9 +12,9 @@ SOURCE = "blocksparse.cu"
 # layout's mean row is STAGED_FROM elements or more; else, and in the backward, a warp per row holds a tile in
 # registers (bs_fwd, bs_bwd). Its buffer holds the longest row, or STAGED_MARGIN times the mean row if that is
 # less: a larger buffer leaves room for fewer warps (longer rows are staged in parts, twice). Measured on an H200
-# (tuning/cupy-blocksparse-staged.txt), staged against registers: bf16 0.64-0.80 -> 0.70-0.91 of copy, float32
-# 0.78-0.92 -> 0.86-0.96; the 11 % layouts (mean row about 450) lost (0.61 against 0.64 bf16, 0.73 against 0.81
-# float32 causal), and the backward staged lost (0.32-0.80 against 0.75-0.91 on causal layouts).
+# (tuning/cupy-blocksparse-staged.txt), staged against registers: bf16 0.64-0.80 -> 0.70-0.91 of copy (causal
+# 0.55-0.71 -> 0.66-0.85), float32 0.78-0.92 -> 0.86-0.96; the 11 % layouts (mean row about 450) lost (0.61 against 0.64 bf16, 0.73 against 0.81
+# float32 causal), and the backward staged lost (bf16 0.66-0.80 against 0.75-0.90 on the 25 % causal layouts).
 STAGED = True
 STAGED_FROM = 512
 STAGED_MARGIN = 1.25
