@@ -223,7 +223,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     layout = torch.ones(1, 2, 2, dtype=torch.long)
     lut = lookup_table(layout, 16, "cpu")
     xb = torch.randn(1, lut.nnz, 16, 16)
-    monkeypatch.setattr(blocksparse, "STAGED_FROM", 0)
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_FROM", 0)
     for staged in (True, False):
         monkeypatch.setattr(blocksparse, "STAGED", staged)
         blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
@@ -592,44 +592,39 @@ def test_blocksparse_every_staged_buffer(cap, dtype, monkeypatch):
         check(dx, blocksparse_backward_reference(y, dy, lut, scale), dtype, "backward")
 
 
-def test_blocksparse_forward_stages_rows_where_it_measured_faster(monkeypatch):
-    """Staged: 16-byte aligned blocks on sm_80+ and a mean row of STAGED_FROM elements or more, in a buffer for the
-    longest row or STAGED_MARGIN times the mean row if less (longer rows are staged in parts); else the register
-    kernel."""
-    import types
-
-    if importlib.util.find_spec("cupy") is None:
-        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    from multisoft_cupy import blocksparse
-
-    cc = {"value": 90}
-    monkeypatch.setattr(blocksparse, "device_info", lambda index: (cc["value"], 132))
-    monkeypatch.setattr(blocksparse, "device_index", lambda t: 0)
-    x = torch.empty(64, dtype=torch.bfloat16)
-
-    def staged(mean_blocks, max_blocks, tensor=x):
-        lut = SimpleNamespace(block=16, mean_blocks=mean_blocks, max_blocks=max_blocks)
-        return blocksparse._staged_config(tensor, tensor, lut)
-
-    assert staged(64, 75).cap == 256  # 1200 16-bit elements: 150 vectors
-    assert staged(64, 130).cap == 256  # 1.25 x 1024 elements, not the longest row's 2080
-    assert staged(40, 42).cap == 128  # the longest row, 672 elements: 84 vectors
-    assert staged(256, 1024).cap == 1024  # 5120 elements: the largest buffer, rows in parts
-    assert staged(blocksparse.STAGED_FROM / 16 - 1, 75) is None  # short rows
-    assert staged(64, 75, torch.empty(65, dtype=torch.bfloat16)[1:]) is None  # not 16-byte aligned
-    cc["value"] = 75
-    assert staged(64, 75) is None
-
-
-def test_blocksparse_staged_buffer_holds_the_row():
-    """The smallest compiled buffer that holds the row length asked for, else the largest; none before sm_80."""
+def test_blocksparse_forward_stages_rows_where_it_measured_faster():
+    """Staged on sm_80+ for a mean row of BLOCKSPARSE_STAGED_FROM elements or more, in the smallest compiled buffer
+    that holds the longest row or BLOCKSPARSE_STAGED_MARGIN x the mean row if less, else the largest (longer rows are
+    staged in parts)."""
+    staged = _catalog.blocksparse_staged_config
     caps = _catalog.BLOCKSPARSE_STAGED_CAPS
-    assert _catalog.blocksparse_staged_config(caps[0] * 8, 2, 90).cap == caps[0]
-    assert _catalog.blocksparse_staged_config(caps[0] * 8 + 16, 2, 90).cap == caps[1]
-    assert _catalog.blocksparse_staged_config(caps[0] * 8, 4, 80).cap == caps[1]
-    assert _catalog.blocksparse_staged_config(1 << 20, 4, 90).cap == caps[-1]
-    assert _catalog.blocksparse_staged_config(1024, 2, 75) is None
-    assert _catalog.blocksparse_staged_config(2048.5, 4, 90).cap == caps[4]
+    assert staged(1024, 1200, 2, 90).cap == 256  # 1200 16-bit elements: 150 vectors
+    assert staged(1024, 2080, 2, 90).cap == 256  # 1.25 x 1024 elements, not the longest row's 2080
+    assert staged(1024, 2080, 2, 80).cap == 256
+    assert staged(640, 672, 2, 90).cap == 128  # the longest row: 84 vectors
+    assert staged(640, 672, 4, 90).cap == 256  # float32: 168 vectors
+    assert staged(2048, 2300, 4, 90).cap == 1024  # 575 float32 vectors
+    assert staged(4096, 16384, 2, 90).cap == caps[-1]  # 5120 elements: the largest buffer, rows in parts
+    assert staged(_catalog.BLOCKSPARSE_STAGED_FROM - 1, 1024, 2, 90) is None  # short rows: registers
+    assert staged(1024, 1200, 2, 75) is None  # no cp.async before sm_80
+
+
+@gpu
+def test_blocksparse_forward_stages_only_aligned_blocks(monkeypatch):
+    """The staged kernel needs 16-byte aligned blocks: others take the register kernel (and still match float64)."""
+    _, _, blocksparse = _kernels()
+    chosen = []
+    monkeypatch.setattr(_catalog, "blocksparse_staged_kernel",
+                        lambda *args, real=_catalog.blocksparse_staged_kernel: chosen.append(args) or real(*args))
+    layout = torch.ones(1, 4, 64, dtype=torch.long)
+    lut = lookup_table(layout, 16, _device())
+    storage = torch.randn(lut.nnz * 256 + 1, device=_device()).to(torch.bfloat16)
+    for x, staged in ((storage[:-1].view(1, lut.nnz, 16, 16), True), (storage[1:].view(1, lut.nnz, 16, 16), False)):
+        chosen.clear()
+        y = torch.empty_like(x)
+        blocksparse.forward(x, y, lut, 0.5, False)
+        assert bool(chosen) == staged
+        check(y, reference_blocksparse(x, layout.to(_device()), 16, 0.5, False), torch.bfloat16, f"staged={staged}")
 
 
 # ---- measured exceptions (SOFTMAX_RULES, CE_FWD_RULES) and register-capped configurations ----

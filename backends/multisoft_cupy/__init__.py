@@ -50,4 +50,6 @@ def notes() -> list[str]:
         f"backward, and the float32 forward from {_catalog.SPLIT_MIN_COLUMNS[('fwd', 4)]} columns), or "
         "staged in shared memory (cp.async; a cluster of blocks per long row), where that measured faster, "
         "else held in registers; rows longer than any of these holds are read twice",
+        "the block-sparse forward stages each row in shared memory (cp.async, a warp per row) where the layout's "
+        f"mean row is {_catalog.BLOCKSPARSE_STAGED_FROM} elements or more",
     ]

@@ -91,6 +91,17 @@ class BlockSparseStaged(NamedTuple):
         return self.warps * self.cap * 16
 
 
+# The block-sparse forward stages rows in shared memory (bs_fwd_staged) where the layout's mean row is
+# BLOCKSPARSE_STAGED_FROM elements or more, in a buffer that holds the longest row, or BLOCKSPARSE_STAGED_MARGIN times
+# the mean row if that is less: a larger buffer leaves room for fewer warps (longer rows are staged in parts,
+# twice). Measured on an H200 (tuning/cupy-blocksparse-staged.txt), staged against the register kernel: bf16
+# 0.64-0.80 -> 0.70-0.91 of copy (causal 0.55-0.71 -> 0.66-0.85), float32 0.78-0.92 -> 0.86-0.96; the 11 % layouts
+# (mean row about 450) lost (0.61 against 0.64 bf16, 0.73 against 0.81 float32 causal); a buffer for the longest
+# row took float32 causal 25 % layouts to 0.68-0.77 (against 0.86-0.90); 2 warps a block beat 4 and 8, 4 vectors
+# at once and register caps were level or slower. The backward staged lost (bf16 0.66-0.80 against 0.75-0.90 on
+# the 25 % causal layouts): it keeps the register kernel.
+BLOCKSPARSE_STAGED_FROM = 512
+BLOCKSPARSE_STAGED_MARGIN = 1.25
 BLOCKSPARSE_STAGED_WARPS = 2
 BLOCKSPARSE_STAGED_CAPS = (64, 128, 256, 512, 1024)
 BLOCKSPARSE_STAGED_UNROLL = 1
@@ -360,11 +371,14 @@ def _staged(cap: int) -> BlockSparseStaged:
     return BlockSparseStaged(BLOCKSPARSE_STAGED_WARPS, cap, BLOCKSPARSE_STAGED_UNROLL, BLOCKSPARSE_STAGED_MIN_BLOCKS)
 
 
-def blocksparse_staged_config(row_length: float, elem_size: int, cc: int) -> BlockSparseStaged | None:
-    """The staged forward (sm_80+): the smallest compiled buffer that holds `row_length` elements, else the
-    largest (longer rows are staged in parts, twice); None before sm_80."""
-    if cc < 80:
+def blocksparse_staged_config(mean_row: float, longest_row: int, elem_size: int,
+                              cc: int) -> BlockSparseStaged | None:
+    """The staged forward for a layout of this mean and longest row (elements) on sm_80+, if its mean row is
+    BLOCKSPARSE_STAGED_FROM or more: the smallest compiled buffer that holds the longest row, or
+    BLOCKSPARSE_STAGED_MARGIN x the mean row if less, else the largest; None otherwise."""
+    if cc < 80 or mean_row < BLOCKSPARSE_STAGED_FROM:
         return None
+    row_length = min(longest_row, BLOCKSPARSE_STAGED_MARGIN * mean_row)
     vectors = math.ceil(row_length / (16 // elem_size))
     return _staged(next((c for c in BLOCKSPARSE_STAGED_CAPS if c >= vectors), BLOCKSPARSE_STAGED_CAPS[-1]))
 

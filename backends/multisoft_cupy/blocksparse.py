@@ -8,16 +8,10 @@ from . import _catalog
 from ._module import aligned, ctype, device_index, device_info, f32, i32, i64, launch, ptr
 
 SOURCE = "blocksparse.cu"
-# The forward stages rows in shared memory (bs_fwd_staged) on sm_80+ where the blocks are 16-byte aligned and the
-# layout's mean row is STAGED_FROM elements or more; else, and in the backward, a warp per row holds a tile in
-# registers (bs_fwd, bs_bwd). Its buffer holds the longest row, or STAGED_MARGIN times the mean row if that is
-# less: a larger buffer leaves room for fewer warps (longer rows are staged in parts, twice). Measured on an H200
-# (tuning/cupy-blocksparse-staged.txt), staged against registers: bf16 0.64-0.80 -> 0.70-0.91 of copy (causal
-# 0.55-0.71 -> 0.66-0.85), float32 0.78-0.92 -> 0.86-0.96; the 11 % layouts (mean row about 450) lost (0.61 against 0.64 bf16, 0.73 against 0.81
-# float32 causal), and the backward staged lost (bf16 0.66-0.80 against 0.75-0.90 on the 25 % causal layouts).
+# The forward stages rows in shared memory (bs_fwd_staged) where the blocks are 16-byte aligned and
+# _catalog.blocksparse_staged_config says so; else, and in the backward, a warp per row holds a tile in registers
+# (bs_fwd, bs_bwd).
 STAGED = True
-STAGED_FROM = 512
-STAGED_MARGIN = 1.25
 # Values each thread of the register kernels holds (a row longer than a warp's share is read in tiles, twice): the
 # forward keeps one value per element, the backward two. By element size, choices: the first whose tile (a warp's
 # share) holds the layout's mean row, else the last; the tile itself is then the smallest that holds the mean row.
@@ -37,11 +31,11 @@ def _sizes(data: torch.Tensor, lut) -> tuple:
 
 def _staged_config(x: torch.Tensor, out: torch.Tensor, lut):
     """The staged forward's configuration for this call, or None."""
-    if not STAGED or not aligned(x, out) or lut.mean_blocks * lut.block < STAGED_FROM:
+    if not STAGED or not aligned(x, out):
         return None
     cc, _ = device_info(device_index(x))
-    row = min(lut.max_blocks, STAGED_MARGIN * lut.mean_blocks) * lut.block
-    return _catalog.blocksparse_staged_config(row, x.element_size(), cc)
+    return _catalog.blocksparse_staged_config(lut.mean_blocks * lut.block, lut.max_blocks * lut.block,
+                                              x.element_size(), cc)
 
 
 def _row_config(data: torch.Tensor, lut, choices: dict) -> tuple:

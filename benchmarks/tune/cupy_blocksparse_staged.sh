@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 B='import multisoft_cupy.blocksparse as b'
 C='import multisoft_cupy._catalog as c'
 if [ "$ROUND" = 4 ]; then
-  VARIANTS=(--variant "staged:" --variant "registers:$B; b.STAGED = False" --variant "everywhere:$B; b.STAGED_FROM = 0"
+  VARIANTS=(--variant "staged:" --variant "registers:$B; b.STAGED = False" --variant "everywhere:$C; c.BLOCKSPARSE_STAGED_FROM = 0"
             --variant "unroll4:$C; c.BLOCKSPARSE_STAGED_UNROLL = 4" --variant "min12:$C; c.BLOCKSPARSE_STAGED_MIN_BLOCKS = 12"
             --variant "min16:$C; c.BLOCKSPARSE_STAGED_MIN_BLOCKS = 16"
             --variant "unroll4-min12:$C; c.BLOCKSPARSE_STAGED_UNROLL = 4; c.BLOCKSPARSE_STAGED_MIN_BLOCKS = 12"
@@ -29,7 +29,7 @@ elif [ "$ROUND" = 5 ]; then
             --variant "cap1024:$C; c.BLOCKSPARSE_STAGED_CAPS = (64, 128, 256, 512, 1024)"
             --variant "registers:$B; b.STAGED = False")
 elif [ "$ROUND" = 6 ]; then
-  VARIANTS=(--variant "margin:" --variant "longest:$B; b.STAGED_MARGIN = 1e9" --variant "registers:$B; b.STAGED = False")
+  VARIANTS=(--variant "margin:" --variant "longest:$C; c.BLOCKSPARSE_STAGED_MARGIN = 1e9" --variant "registers:$B; b.STAGED = False")
 else
   echo "rounds 1-3 ran kernels since replaced (their settings are gone): see tuning/cupy-blocksparse-staged.txt"
   exit 1
