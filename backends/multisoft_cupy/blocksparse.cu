@@ -368,27 +368,14 @@ __device__ __forceinline__ u32 bs_max_word(const uint4& q, u32 flip, int valid) 
     }
 }
 
-// Two floats as one word of two 16-bit values (lo in the low half), rounded to nearest even.
-template <typename T> __device__ __forceinline__ u32 bs_pack_pair(float lo, float hi);
-template <> __device__ __forceinline__ u32 bs_pack_pair<bf16_t>(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-template <> __device__ __forceinline__ u32 bs_pack_pair<f16_t>(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
 // VEC floats as one 16-byte vector of T.
 template <typename T>
 __device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
     if constexpr (Elem<T>::PER_WORD == 1) {
         return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
     } else {
-        return make_uint4(bs_pack_pair<T>(f[0], f[1]), bs_pack_pair<T>(f[2], f[3]), bs_pack_pair<T>(f[4], f[5]),
-                          bs_pack_pair<T>(f[6], f[7]));
+        return make_uint4(pack_pair<T>(f[0], f[1]), pack_pair<T>(f[2], f[3]), pack_pair<T>(f[4], f[5]),
+                          pack_pair<T>(f[6], f[7]));
     }
 }
 

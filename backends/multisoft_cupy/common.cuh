@@ -85,6 +85,19 @@ template <> __device__ __forceinline__ u32 max_pairs<f16_t>(u32 a, u32 b) {
     return d;
 }
 
+// Two floats as one word of two 16-bit values (lo in the low half), rounded to nearest even, in one instruction.
+template <typename T> __device__ __forceinline__ u32 pack_pair(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack_pair<bf16_t>(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+template <> __device__ __forceinline__ u32 pack_pair<f16_t>(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
 // Raw bits <-> float for each element type; 16-bit elements sit two to a
 // 32-bit word (element 0 in the low half), as in memory.
 template <typename T> struct Elem;
