@@ -86,7 +86,7 @@ def _apply(x, dim, dtype, backend, log):
         return _apply(x.reshape(1), 0, None, backend, log).reshape(())
     name = resolve_name(x.device, x.dtype, backend)
     if x.numel() == 0:
-        return torch.empty_like(x)
+        return x.clone()  # no elements, but part of autograd as torch's result would be
     last = dim == x.ndim - 1
     rows = x if last else x.movedim(dim, -1)
     rows_2d = rows if rows.ndim == 2 else rows.reshape(-1, rows.shape[-1])

@@ -206,6 +206,23 @@ def test_empty_tensors_give_empty_results():
     assert multisoft.blocksparse_softmax(torch.randn(3, 0, 16, 16), layout, 16).shape == (3, 0, 16, 16)
 
 
+def test_empty_inputs_take_part_in_autograd():
+    """As with torch's ops, the result of an empty input that requires grad can be differentiated (an empty
+    gradient), and the result is not the input itself."""
+    layout = torch.zeros(1, 2, 2, dtype=torch.long)
+    cases = ((multisoft.softmax, torch.randn(0, 5)), (multisoft.log_softmax, torch.randn(3, 0)),
+             (lambda t: multisoft.softmax(t, dtype=torch.float64), torch.randn(0, 5)),
+             (lambda t: multisoft.blocksparse_softmax(t, layout, 16), torch.randn(3, 0, 16, 16)),
+             (lambda t: multisoft.cross_entropy(t, torch.zeros(0, dtype=torch.long), reduction="sum"),
+              torch.randn(0, 5)))
+    for fn, x in cases:
+        x.requires_grad_()
+        y = fn(x)
+        assert y is not x
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+
+
 def test_zero_dim_softmax():
     x = torch.tensor(3.0)
     assert multisoft.softmax(x).item() == 1.0 and multisoft.log_softmax(x).item() == 0.0
