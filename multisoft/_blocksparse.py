@@ -116,13 +116,15 @@ def _causal_prefixes(layout: torch.Tensor) -> torch.Tensor:
 
 def _forward(x, lut, scale, is_causal, backend):
     out = torch.empty_like(x)
-    get_backend(backend).kernels("blocksparse").forward(x, out, lut, scale, is_causal)
+    if x.numel():  # kernels never see an empty tensor (the torch.library ops come here too)
+        get_backend(backend).kernels("blocksparse").forward(x, out, lut, scale, is_causal)
     return out
 
 
 def _backward(y, dy, lut, scale, backend):
     dx = torch.empty_like(y)
-    get_backend(backend).kernels("blocksparse").backward(y, dy.contiguous(), dx, lut, scale)
+    if y.numel():
+        get_backend(backend).kernels("blocksparse").backward(y, dy.contiguous(), dx, lut, scale)
     return dx
 
 

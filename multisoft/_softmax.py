@@ -12,13 +12,15 @@ from ._registry import get_backend, resolve_name
 
 def _forward(x: torch.Tensor, log: bool, backend: str) -> torch.Tensor:
     out = torch.empty_like(x)
-    get_backend(backend).kernels("softmax").forward(x, out, log)
+    if x.numel():  # kernels never see an empty tensor (the torch.library ops come here too)
+        get_backend(backend).kernels("softmax").forward(x, out, log)
     return out
 
 
 def _backward(y: torch.Tensor, dy: torch.Tensor, log: bool, backend: str) -> torch.Tensor:
     dx = torch.empty_like(y)
-    get_backend(backend).kernels("softmax").backward(y, dy.contiguous(), dx, log)
+    if y.numel():
+        get_backend(backend).kernels("softmax").backward(y, dy.contiguous(), dx, log)
     return dx
 
 

@@ -223,6 +223,27 @@ def test_empty_inputs_take_part_in_autograd():
         assert x.grad is not None and x.grad.shape == x.shape
 
 
+def test_kernels_never_see_an_empty_tensor(monkeypatch):
+    """The torch.library ops (what torch.compile calls) with empty inputs return empty results without calling a
+    backend: the contract promises backends non-empty tensors."""
+    import multisoft._blocksparse as blocksparse_front
+    import multisoft._softmax as softmax_front
+
+    class Refuses:
+        def kernels(self, op):
+            raise AssertionError(f"a {op} kernel was called with an empty tensor")
+
+    for module in (blocksparse_front, softmax_front):
+        monkeypatch.setattr(module, "get_backend", lambda name: Refuses())
+    empty = torch.randn(0, 5)
+    assert softmax_front.softmax_forward_op(empty, False, "torch").shape == (0, 5)
+    assert softmax_front.softmax_backward_op(empty, empty, True, "torch").shape == (0, 5)
+    layout = torch.ones(1, 2, 2, dtype=torch.long)
+    blocks = torch.randn(0, 4, 16, 16)
+    assert blocksparse_front.blocksparse_forward_op(blocks, layout, 16, 1.0, True, "torch").shape == blocks.shape
+    assert blocksparse_front.blocksparse_backward_op(blocks, blocks, layout, 16, 1.0, "torch").shape == blocks.shape
+
+
 def test_zero_dim_softmax():
     x = torch.tensor(3.0)
     assert multisoft.softmax(x).item() == 1.0 and multisoft.log_softmax(x).item() == 0.0
