@@ -414,7 +414,7 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
             const int count = min(CAP, loaded - first);
             bs_stage(buf, x, row, first, count, lane);
             cp_async_wait_all();
-            u32 top = Elem<T>::bits(-MS_INF) * (Elem<T>::PER_WORD == 1 ? 1u : 0x10001u);
+            u32 top = V::splat(-MS_INF).x;
 #pragma unroll UNROLL
             for (int v = lane; v < count; v += 32) {
                 const u32 w = bs_max_word<T>(buf[v], flip, row.kept - (first + v) * VEC);
