@@ -242,10 +242,7 @@ def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torc
         raise ValueError(f"dy must have y's shape {tuple(y.shape)}, got {tuple(dy.shape)}")
     scale = _validate.finite(scale, "scale")
     name = resolve_name(y.device, y.dtype, backend)
-    y = y.contiguous()
-    if y.numel() == 0:
-        return torch.empty_like(y)
-    return _backward(y, dy, lut, scale, name)
+    return _backward(y.contiguous(), dy, lut, scale, name)
 
 
 def blocksparse_from_dense(dense: torch.Tensor, layout: torch.Tensor, block: int) -> torch.Tensor:

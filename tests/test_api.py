@@ -242,6 +242,7 @@ def test_kernels_never_see_an_empty_tensor(monkeypatch):
     blocks = torch.randn(0, 4, 16, 16)
     assert blocksparse_front.blocksparse_forward_op(blocks, layout, 16, 1.0, True, "torch").shape == blocks.shape
     assert blocksparse_front.blocksparse_backward_op(blocks, blocks, layout, 16, 1.0, "torch").shape == blocks.shape
+    assert multisoft.blocksparse_softmax_backward(blocks, blocks, layout, 16, backend="torch").shape == blocks.shape
 
 
 def test_zero_dim_softmax():
