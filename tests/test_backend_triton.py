@@ -259,7 +259,7 @@ def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kernels", ["rows", "tiles"])
+@pytest.mark.parametrize("kernels", ["rows", "rows-w1", "rows-full-exp", "tiles"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypatch):
@@ -271,8 +271,11 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
     from multisoft_triton import blocksparse
 
-    monkeypatch.setattr(blocksparse, "ROW_BACKWARD", kernels)
-    monkeypatch.setattr(blocksparse, "ROW_FORWARD", kernels)
+    monkeypatch.setattr(blocksparse, "ROW_BACKWARD", kernels.split("-")[0])
+    monkeypatch.setattr(blocksparse, "ROW_FORWARD", kernels.split("-")[0])
+    monkeypatch.setattr(blocksparse, "FORWARD_WARPS", 1 if kernels == "rows-w1" else 4)
+    monkeypatch.setattr(blocksparse, "FORWARD_HELD", 128)
+    monkeypatch.setattr(blocksparse, "FORWARD_LEAN", kernels != "rows-full-exp")
     monkeypatch.setattr(blocksparse, "FORWARD_ROWS", {c: {4: (128, 0, float("inf")), 2: (128, 0, float("inf"))}
                                                       for c in (False, True)})
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for, widen
+from .utils import fast_exp, fast_exp2, next_power_of_2, on_device, online_max, safe_shift, warps_for, widen
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -167,6 +167,10 @@ ROW_WARPS = 4
 # elements, or 2 or 8 rows a program, lost.
 ROW_FORWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels only
 FORWARD_ROWS = {False: {4: (128, 0, 512), 2: (128, 0, 2048)}, True: {4: (32, 512, 2048), 2: (64, 512, 2048)}}
+FORWARD_LEAN = True   # experiment: _fwd_rows_lean_kernel
+FORWARD_WARPS = 4
+FORWARD_HELD = 0      # 0: the backward's rule
+LOG2E = 1.4426950408889634
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
 
@@ -271,6 +275,67 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, scale, causal_ptr,
     tl.store(out_ptr + offsets, (e0 * held_scale[:, None, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _lean_scores(x_ptr, offsets, mask, kept, first_block, NEGATIVE: tl.constexpr, BLOCKS: tl.constexpr,
+                 B: tl.constexpr, CAUSAL: tl.constexpr):
+    """x as loaded, the worst value (-inf, or +inf for a negative scale) where masked: past the row's blocks or,
+    causal, past its kept prefix. Scaled by c < 0, +inf gives the -inf score that masks it."""
+    if NEGATIVE:
+        worst = float("inf")
+    else:
+        worst = -float("inf")
+    x = tl.load(x_ptr + offsets, mask=mask, other=worst)
+    if CAUSAL:
+        position = (first_block + tl.arange(0, BLOCKS))[:, None] * B + tl.arange(0, B)[None, :]
+        x = tl.where(position[None, :, :] < kept[:, None, None], x, worst)
+    return x
+
+
+@triton.jit
+def _lean_top(x, c, NEGATIVE: tl.constexpr):
+    """max over each row of c * x (log2 units), from the loaded values: their max, or min for c < 0."""
+    if NEGATIVE:
+        top = tl.min(tl.min(x, axis=2), axis=1)
+    else:
+        top = tl.max(tl.max(x, axis=2), axis=1)
+    return top.to(tl.float32) * c
+
+
+@triton.jit
+def _fwd_rows_lean_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr,
+                          ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, NEGATIVE: tl.constexpr):
+    """_fwd_rows_kernel in log2 units, c = scale * log2 e (nonzero): the max is taken on the values as loaded, and
+    each term is 2**(c * x - t), one multiply-add and one ex2 (t: the running max of c * x)."""
+    group, start, count, i = _row_program(offsets_ptr, ROWS, B)
+    kept = i
+    if CAUSAL:
+        kept = _causal_kept(causal_ptr, group, i, B)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    x0 = _lean_scores(x_ptr, offsets, mask, kept, 0, NEGATIVE, BLOCKS, B, CAUSAL)
+    held_max = _lean_top(x0, c, NEGATIVE)
+    e0 = fast_exp2(x0.to(tl.float32) * c - safe_shift(held_max)[:, None, None])
+    run_max = held_max
+    run_sum = tl.sum(tl.sum(e0, axis=2), axis=1)
+    for first in range(BLOCKS, count, BLOCKS):
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        x = _lean_scores(x_ptr, offsets, mask, kept, first, NEGATIVE, BLOCKS, B, CAUSAL)
+        new_max = tl.maximum(run_max, _lean_top(x, c, NEGATIVE))
+        shift = safe_shift(new_max)
+        run_sum = run_sum * fast_exp2(run_max - shift) + tl.sum(tl.sum(
+            fast_exp2(x.to(tl.float32) * c - shift[:, None, None]), axis=2), axis=1)
+        run_max = new_max
+    safe_max = safe_shift(run_max)
+    inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
+    for first in range(BLOCKS, count, BLOCKS):
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        x = _lean_scores(x_ptr, offsets, mask, kept, first, NEGATIVE, BLOCKS, B, CAUSAL)
+        y = fast_exp2(x.to(tl.float32) * c - safe_max[:, None, None]) * inverse[:, None, None]
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    held_scale = fast_exp2(held_max - safe_max) * inverse
+    tl.store(out_ptr + offsets, (e0 * held_scale[:, None, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _row_blocks(lut, element_size):
     """Blocks of each row that the backward's row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
@@ -278,18 +343,18 @@ def _row_blocks(lut, element_size):
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
-def _launch_rows(kernel, lut, tensors, scale, *extra, **constexprs):
-    """One program per ROW_WARPS rows of a block-row, a warp a row, holding _row_blocks of each; `extra` are the
-    kernel's arguments after the scale."""
+def _launch_rows(kernel, lut, tensors, scale, *extra, warps=None, blocks=None, **constexprs):
+    """One program per `warps` rows of a block-row (ROW_WARPS), a warp a row, holding `blocks` of each
+    (_row_blocks); `extra` are the kernel's arguments after the scale."""
     block = lut.block
-    blocks = _row_blocks(lut, tensors[0].element_size())
-    rows = min(block, ROW_WARPS)
+    blocks = blocks or _row_blocks(lut, tensors[0].element_size())
+    rows = min(block, warps or ROW_WARPS)
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra,
-                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=ROW_WARPS, **constexprs)
+                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=rows, **constexprs)
 
 
 def _plan(blocks, block):
@@ -364,6 +429,13 @@ def forward(x, out, lut, scale, is_causal):
     causal = bool(is_causal)
     largest_block, low, high = FORWARD_ROWS[causal][x.element_size()]
     if ROW_FORWARD == "rows" and lut.block <= largest_block and low <= lut.mean_blocks * lut.block < high:
+        if FORWARD_LEAN and scale != 0:
+            blocks = None
+            if FORWARD_HELD:
+                blocks = min(next_power_of_2(lut.mean_blocks), max(1, FORWARD_HELD // lut.block))
+            _launch_rows(_fwd_rows_lean_kernel, lut, (x, out), scale * LOG2E, lut.causal, warps=FORWARD_WARPS,
+                         blocks=blocks, CAUSAL=causal, NEGATIVE=scale < 0)
+            return
         _launch_rows(_fwd_rows_kernel, lut, (x, out), scale, lut.causal, CAUSAL=causal)
         return
     _launch((_fwd_tile_kernel, _fwd_loop_kernel), lut, (x, out), scale, "forward", CAUSAL=causal)
