@@ -259,28 +259,25 @@ def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kernels", ["rows", "rows-w1", "rows-full-exp", "tiles"])
+@pytest.mark.parametrize("kernels", ["rows", "one-row-programs", "backward-tiles"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypatch):
     """Block-rows of 1..47 blocks (and an empty one), in shuffled columns (causal: some rows fully masked, some
-    masked from a block on): on the tile and loop kernels, in launches by length, the longest on the loop path;
-    or on the row kernels holding 8 blocks (most rows streamed)."""
+    masked from a block on): on the row kernels holding 8 blocks (most rows streamed), 4 or 1 rows a program (4:
+    the forward with a scale of each sign); the backward also on the tile and loop kernels, in launches by length, the
+    longest on the loop path."""
     import multisoft
     from multisoft._blocksparse import lookup_table
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
     from multisoft_triton import blocksparse
 
-    monkeypatch.setattr(blocksparse, "ROW_BACKWARD", kernels.split("-")[0])
-    monkeypatch.setattr(blocksparse, "ROW_FORWARD", kernels.split("-")[0])
-    monkeypatch.setattr(blocksparse, "FORWARD_WARPS", 1 if kernels == "rows-w1" else 4)
-    monkeypatch.setattr(blocksparse, "FORWARD_HELD", 128)
-    monkeypatch.setattr(blocksparse, "FORWARD_LEAN", kernels != "rows-full-exp")
-    monkeypatch.setattr(blocksparse, "FORWARD_ROWS", {c: {4: (128, 0, float("inf")), 2: (128, 0, float("inf"))}
-                                                      for c in (False, True)})
+    monkeypatch.setattr(blocksparse, "ROW_BACKWARD", "tiles" if kernels == "backward-tiles" else "rows")
+    rows = 1 if kernels == "one-row-programs" else 4
+    monkeypatch.setattr(blocksparse, "ROW_WARPS", rows)
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
     monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
-    monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {"forward": {4: 0.0, 2: 0.0}, "backward": {4: 0.0, 2: 0.0}})
+    monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {4: 0.0, 2: 0.0})
     monkeypatch.setattr(blocksparse, "TILE_MAX", 512)  # rows of more than 32 blocks of 16 take the loop path
     block, heads, block_rows, block_cols = 16, 2, 24, 48
     lengths = torch.arange(block_rows) * 2 + 1
@@ -291,9 +288,12 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
     launches = blocksparse._schedule(lut, 0.0)
     assert len(launches) >= 4 and any(not tile for _, _, (tile, _, _) in launches)
     x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 2).to(dtype)
-    y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=is_causal, backend="triton")
-    _, ratio = error_ratio(y, reference_blocksparse(x, layout, block, 0.5, is_causal), dtype)
-    assert ratio <= 1, f"forward: {ratio:.3g} x the tolerance"
+    # the streamed parts' max is a min for a negative scale; 0: the kernel forms the scores (the other cases' forward
+    # differs from this one's only in rows a program)
+    for scale in (-0.5, 0.0, 0.5) if kernels == "rows" else (0.5,):
+        y = multisoft.blocksparse_softmax(x, layout, block, scale=scale, is_causal=is_causal, backend="triton")
+        _, ratio = error_ratio(y, reference_blocksparse(x, layout, block, scale, is_causal), dtype)
+        assert ratio <= 1, f"forward, scale {scale}: {ratio:.3g} x the tolerance"
     dy = torch.randn_like(y)
     dx = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=0.5, backend="triton")
     expected, magnitude = reference_blocksparse_backward(y, dy, layout, block, 0.5)
@@ -319,27 +319,29 @@ def test_blocksparse_backward_row_kernels_hold_by_the_mean_row():
     assert blocksparse.TILES_FROM[4] == 2048 and blocksparse.TILES_FROM[2] == float("inf")
 
 
-def test_blocksparse_forward_takes_row_kernels_where_they_measured_faster(monkeypatch):
-    """Row kernels: 16-bit layouts with a mean row under 2048, float32 under 512; causal ones with a mean row from 512
-    to 2048 and blocks of up to 32 (float32) or 64 (16-bit). Else the tile kernels."""
+def test_blocksparse_forward_takes_row_kernels_in_log2_units(monkeypatch):
+    """The forward takes the row kernel on every layout, 4 rows a program, 1 for float32 blocks of 64 or more, 16-bit
+    blocks of 128, and where the mean row is 2048 or more; it gets c = scale * log2 e and the scale's sign (c = 1 for a
+    zero scale, whose scores the kernel forms)."""
     from multisoft._blocksparse import lookup_table
     from multisoft_triton import blocksparse
 
     taken = []
-    monkeypatch.setattr(blocksparse, "_launch_rows", lambda *args, **kw: taken.append("rows"))
-    monkeypatch.setattr(blocksparse, "_launch", lambda *args, **kw: taken.append("tiles"))
+    monkeypatch.setattr(blocksparse, "_launch_rows", lambda kernel, lut, tensors, c, *extra, rows, **constexprs:
+                        taken.append((kernel, c, rows, constexprs["SIGN"], constexprs["CAUSAL"])))
 
-    def path(block, per_row, dtype, causal):
+    def launch(block, per_row, scale=1.0, causal=False, dtype=torch.bfloat16):
         layout = (torch.arange(64)[None, None, :] < per_row).expand(2, 8, -1).long()
         x = torch.empty(1, 16 * per_row, block, block, dtype=dtype)
-        blocksparse.forward(x, x, lookup_table(layout, block, "cpu"), 1.0, causal)
+        blocksparse.forward(x, x, lookup_table(layout, block, "cpu"), scale, causal)
         return taken.pop()
 
-    assert path(64, 7, torch.float32, False) == "rows" and path(16, 64, torch.float32, False) == "tiles"
-    assert path(16, 64, torch.bfloat16, False) == "rows" and path(64, 32, torch.bfloat16, False) == "tiles"
-    assert path(32, 32, torch.float32, True) == "rows" and path(64, 16, torch.float32, True) == "tiles"
-    assert path(64, 16, torch.bfloat16, True) == "rows" and path(128, 8, torch.bfloat16, True) == "tiles"
-    assert path(64, 7, torch.bfloat16, True) == "tiles" and path(64, 32, torch.bfloat16, True) == "tiles"
+    assert launch(64, 7) == (blocksparse._fwd_rows_kernel, blocksparse.LOG2E, 4, 1, False)
+    assert launch(16, 64, causal=True)[2:] == (4, 1, True) and launch(64, 31)[2] == 4
+    assert launch(64, 32)[2] == 1 and launch(128, 15, causal=True)[2] == 1 and launch(128, 2)[2] == 1
+    assert launch(32, 7, dtype=torch.float32)[2] == 4 and launch(64, 7, dtype=torch.float32)[2] == 1
+    assert launch(64, 7, scale=-0.5)[1:4] == (-0.5 * blocksparse.LOG2E, 4, -1)
+    assert launch(64, 7, scale=0.0)[1:4] == (1.0, 4, 0)
 
 
 def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Triton block-sparse softmax: block-rows in launches by length (the default; BUCKETS_SAVE) against one
 # launch padded to the longest block-row ("single"), tile sizes, and the previous kernels ("old", only when
-# benchmarks/tune/_old_blocksparse.py holds the previous module). Writes $OUT/triton_blocksparse.csv.
+# benchmarks/tune/_old_blocksparse.py holds the previous module). Writes $OUT/triton_blocksparse.csv. Since session
+# 18 only the backward takes the tile kernels and BUCKETS_SAVE.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
@@ -16,5 +17,5 @@ python3 benchmarks/tune/tune.py --backend triton --ops blocksparse_softmax --dty
   --variant "base:$S" \
   --variant "tile4k:$S; b.TILE_ELEMENTS = 4096" \
   --variant "tile8k:$S; b.TILE_ELEMENTS = 8192" \
-  --variant "save0.1:$S; b.BUCKETS_SAVE = {'forward': {4: 0.1, 2: 0.1}, 'backward': {4: 0.1, 2: 0.1}}" \
+  --variant "save0.1:$S; b.BUCKETS_SAVE = {4: 0.1, 2: 0.1}" \
   || echo "triton block-sparse tuning failed: rc=$?"

@@ -3,16 +3,11 @@
 # 0.1 or 0.0 against 0.3, every element size: less padding, more launches); the backward keeps 0.3. Then the
 # cross-entropy forward loop's block and warps (LOOP_CONFIGS, LOOP_STAGES). Writes $OUT/triton_fwd_buckets.csv,
 # $OUT/triton_ce_loop.csv. (Session 12 ran it with the settings of then: a flat BUCKETS_SAVE, LOOP_BLOCK, LOOP_WARPS.)
+# Since session 18 the forward takes the row kernel on every layout, without launches by length: the block-sparse
+# part is gone from here (`git show 1eaf011:benchmarks/tune/triton_fwd_buckets.sh`).
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
-B='import multisoft_triton.blocksparse as b'
-python3 benchmarks/tune/tune.py --backend triton --ops blocksparse_softmax --dtypes bf16,fp32 --cases b \
-  --directions forward --csv "$OUT/triton_fwd_buckets.csv" --variant "default:" \
-  --variant "save0.3:$B; b.BUCKETS_SAVE = {'forward': {4: 0.3, 2: 0.3}, 'backward': {4: 0.3, 2: 0.3}}" \
-  --variant "save0.1:$B; b.BUCKETS_SAVE = {'forward': {4: 0.1, 2: 0.1}, 'backward': {4: 0.3, 2: 0.3}}" \
-  --variant "save0.0:$B; b.BUCKETS_SAVE = {'forward': {4: 0.0, 2: 0.0}, 'backward': {4: 0.3, 2: 0.3}}" \
-  || echo "blocksparse buckets tuning failed: rc=$?"
 C='import multisoft_triton.cross_entropy as c'
 python3 benchmarks/tune/tune.py --backend triton --ops cross_entropy --dtypes bf16,fp32 \
   --cases 8192x32000,8192x128256,4096x262144 --directions forward --csv "$OUT/triton_ce_loop.csv" \
