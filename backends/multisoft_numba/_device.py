@@ -16,6 +16,7 @@ from numba import cuda, float32, int16, int32, int64, uint64
 
 from ._glue import SIMULATOR, SM80_EVERYWHERE, device_function
 from ._intrinsics import fast_exp as expf
+from ._intrinsics import fast_exp2 as exp2f
 from ._intrinsics import float_to_half_bits, half_bits_to_float, vector_access
 
 if SM80_EVERYWHERE:
@@ -510,13 +511,12 @@ def row_groups(group):
 # threads), reduced in shared memory, or a single thread with nothing to reduce.
 if SIMULATOR:
     @device_function
-    def lanes_online_merge(m, s):
-        """Merge the (max, sum of exp) pairs of the warp's lanes; every lane gets the warp's pair."""
+    def lanes_max(v):
+        """Max of v over the warp's lanes (NaN if any is NaN); every lane gets it."""
         if cuda.blockDim.x == 1:
-            return m, s
-        buf_m = cuda.shared.array(32, float32)
-        buf_s = cuda.shared.array(32, float32)
-        return block_online_merge(buf_m, buf_s, m, s)
+            return v
+        buf = cuda.shared.array(32, float32)
+        return block_max(buf, v)
 
     @device_function
     def lanes_sum(v):
@@ -526,5 +526,14 @@ if SIMULATOR:
         buf = cuda.shared.array(32, float32)
         return block_sum(buf, v)
 else:
-    lanes_online_merge = warp_online_merge
+    lanes_max = warp_max
     lanes_sum = warp_sum
+
+
+@device_function
+def lanes_merge_log2(m, s):
+    """The warp's (max, sum of 2**(x - max)) from its lanes' pairs (log2 units); every lane gets it."""
+    top = lanes_max(m)
+    if m != NEG_INF:   # else s is 0 (and m - top may be NaN)
+        s *= exp2f(m - top)
+    return top, lanes_sum(s)

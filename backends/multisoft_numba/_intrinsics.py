@@ -44,6 +44,11 @@ if SIMULATOR:
         """exp(v) in float32 (numpy's: Python's math raises where the GPU gives inf)."""
         with numpy.errstate(all="ignore"):
             return numpy.exp(numpy.float32(v))
+
+    def fast_exp2(v):
+        """2**v in float32."""
+        with numpy.errstate(all="ignore"):
+            return numpy.exp2(numpy.float32(v))
 else:
     from llvmlite import ir
     from numba import types
@@ -130,6 +135,14 @@ else:
             value = context.cast(builder, args[0], sig.args[0], types.float32)
             scaled = builder.fmul(value, ir.Constant(_F32, _LOG2_E))
             return builder.call(_asm(_F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [scaled])
+        return types.float32(v), codegen
+
+    @intrinsic
+    def fast_exp2(typingctx, v):
+        """2**v as one ex2.approx.ftz (fast_exp without its multiply by log2(e))."""
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.call(_asm(_F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [value])
         return types.float32(v), codegen
 
     def _max_pairs(instruction):

@@ -25,7 +25,7 @@ import functools
 import numpy
 from numba import cuda, float32, int32, int64, uint64
 
-from ._device import (HALF_SHIFT, LOW_HALF, NEG_INF, expf, fresh_shift, kahan_add, lanes_online_merge,
+from ._device import (HALF_SHIFT, LOW_HALF, NEG_INF, exp2f, fresh_shift, kahan_add, lanes_merge_log2,
                       lanes_sum, nan_max, packed_io, packed_max, packed_pad, row_io, share_shift)
 from ._glue import SIMULATOR, device_function, launch, vector_views
 from ._intrinsics import vector_access
@@ -54,6 +54,7 @@ MAX_GRID_Y = 65535     # most along the batch, the same
 SIMULATOR_LANES = 1
 SIMULATOR_GRID = 4
 SIMULATOR_FLOATS = 4
+LOG2E = 1.4426950408889634
 
 
 def _jit(threads):
@@ -91,21 +92,22 @@ def _causal_kept(causal, group, i, log2b):
 @functools.cache
 def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     """The forward for element format `fmt` in vectors of `width`, `floats` values per lane
-    (a multiple of width), `lanes` lanes per row, `warps` rows per block."""
+    (a multiple of width), `lanes` lanes per row, `warps` rows per block; scores in log2 units (c * x, c =
+    scale * log2(e)), each term one ex2."""
     vectors = floats // width
     tile = lanes * vectors
     read, write = row_io(fmt, width)
 
     @device_function
-    def load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale):
-        """vals = scale * x over tile t; -inf past the row's end."""
+    def load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c):
+        """vals = c * x over tile t (c = scale * log2(e): scores in log2 units); -inf past the row's end."""
         for k in range(vectors):
             v = t * tile + k * lanes + lane
             at = k * width
             if v < n_vectors:
                 read(x, _vector_at(base, v, log2b, log2v), vals, at)
                 for j in range(width):
-                    vals[at + j] *= scale
+                    vals[at + j] *= c
             else:
                 for j in range(width):
                     vals[at + j] = NEG_INF
@@ -128,7 +130,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 write(out, _vector_at(base, v, log2b, log2v), vals, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, scale):
+    def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
         z = int64(cuda.blockIdx.y)
@@ -138,29 +140,29 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 kept = _causal_kept(causal_prefix, group, i, log2b) if causal else int64(0)
                 tiles = (n_vectors + tile - 1) // tile
-                # pass 1: the lane's running (max m, sum s); vals ends as exp(score - m) of the last tile
+                # pass 1: the lane's running (max m, sum s of 2**(score - m)); vals ends as the last tile's terms
                 m = NEG_INF
                 s = float32(0.0)
                 for t in range(tiles):
-                    load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale)
+                    load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c)
                     if causal:
                         mask_past(vals, t, lane, kept)
                     top = NEG_INF
                     for k in range(floats):
                         top = nan_max(top, vals[k])
                     if top > m or top != top:
-                        s *= expf(m - top)
+                        s *= exp2f(m - top)
                         m = top
                     acc = float32(0.0)
-                    shift = float32(0.0) if m == NEG_INF else m  # nothing but -inf so far: exp(-inf - 0) = 0
+                    shift = float32(0.0) if m == NEG_INF else m  # nothing but -inf so far: 2**(-inf - 0) = 0
                     for k in range(floats):
-                        vals[k] = expf(vals[k] - shift)
+                        vals[k] = exp2f(vals[k] - shift)
                         acc += vals[k]
                     s += acc
-                row_m, row_s = lanes_online_merge(m, s)
+                row_m, row_s = lanes_merge_log2(m, s)
                 empty = row_m == NEG_INF   # every element masked or -inf: zeros
                 inv_s = float32(0.0) if empty else float32(1.0) / row_s
-                factor = float32(0.0) if empty or m == NEG_INF else expf(m - row_m) * inv_s
+                factor = float32(0.0) if empty or m == NEG_INF else exp2f(m - row_m) * inv_s
                 # pass 2: the last tile from registers, the others read again (zeros if the row is empty)
                 if tiles > 0:
                     for k in range(floats):
@@ -171,11 +173,11 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                         for k in range(floats):
                             vals[k] = float32(0.0)
                     else:
-                        load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, scale)
+                        load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c)
                         if causal:
                             mask_past(vals, t, lane, kept)
                         for k in range(floats):
-                            vals[k] = expf(vals[k] - row_m) * inv_s
+                            vals[k] = exp2f(vals[k] - row_m) * inv_s
                     store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
                 row_id += int64(cuda.gridDim.x) * warps
             z += int64(cuda.gridDim.y)
@@ -283,7 +285,7 @@ def _packed_tile_load(fmt, width, values, lanes):
 
 @functools.cache
 def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
-    """The forward for 16-bit rows read in pairs and a positive scale, `values` elements per lane held as their
+    """The forward (scores in log2 units, as _forward_kernel's) for 16-bit rows read in pairs and a positive scale, `values` elements per lane held as their
     words (two a register, _device.packed_io): twice the row in registers of the float kernel, so that rows
     of the layout's mean length are read once. Masked elements get -inf bits, which a positive scale keeps
     -inf; the output takes each exponential again, from words unpacked with a shift the compiler cannot see
@@ -312,12 +314,12 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                         words[at] = int32((words[at] & ~(LOW_HALF << place)) | (neg_bits << place))
 
     @device_function
-    def store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, scale, row_m, inv_s, shift):
+    def store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, c, row_m, inv_s, shift):
         for k in range(vectors):
             v = t * tile + k * lanes + lane
             if v < n_vectors:
                 for j in range(width):
-                    vec[j] = expf(unpack(words, k * width + j, shift) * scale - row_m) * inv_s
+                    vec[j] = exp2f(unpack(words, k * width + j, shift) * c - row_m) * inv_s
                 write(out, _vector_at(base, v, log2b, log2v), vec, 0)
 
     @device_function
@@ -330,7 +332,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                 write(out, _vector_at(base, v, log2b, log2v), vec, 0)
 
     @_jit(lanes * warps)
-    def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, scale):
+    def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c):
         shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
         words = cuda.local.array(held, int32)
@@ -357,16 +359,16 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                     w = words[0]
                     for q in range(1, held):
                         w = pair_max(w, words[q])
-                    top = word_max(w) * scale
+                    top = word_max(w) * c
                     if top > m or top != top:
-                        s *= expf(m - top)
+                        s *= exp2f(m - top)
                         m = top
                     if m != NEG_INF:   # nothing but -inf so far: nothing to add
                         acc = float32(0.0)
                         for k in range(values):
-                            acc += expf(unpack(words, k, HALF_SHIFT) * scale - m)
+                            acc += exp2f(unpack(words, k, HALF_SHIFT) * c - m)
                         s += acc
-                row_m, row_s = lanes_online_merge(m, s)
+                row_m, row_s = lanes_merge_log2(m, s)
                 if row_m == NEG_INF:   # every element masked or -inf: zeros
                     for t in range(tiles):
                         store_zeros(out, vec, base, t, lane, n_vectors, log2b, log2v)
@@ -374,13 +376,13 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                     inv_s = float32(1.0) / row_s
                     # pass 2: the last tile from registers, the others read again
                     if tiles > 0:
-                        store_tile(out, words, vec, base, tiles - 1, lane, n_vectors, log2b, log2v, scale, row_m,
+                        store_tile(out, words, vec, base, tiles - 1, lane, n_vectors, log2b, log2v, c, row_m,
                                    inv_s, shift)
                     for t in range(tiles - 1):
                         load(x, words, tmp, base, t, lane, read_vectors, log2b, log2v, pad)
                         if causal:
                             mask_past(words, t, lane, kept)
-                        store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, scale, row_m, inv_s,
+                        store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, c, row_m, inv_s,
                                    shift)
                 row_id += int64(cuda.gridDim.x) * warps
             z += int64(cuda.gridDim.y)
@@ -505,7 +507,7 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
     build = _forward_packed_kernel if _packed(width, x.element_size()) and scale > 0 else _forward_kernel
     launch(build(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
-           (*views, lut.offsets, lut.causal, batch, rows, nnz, log2b, log2v, numpy.float32(scale)))
+           (*views, lut.offsets, lut.causal, batch, rows, nnz, log2b, log2v, numpy.float32(scale * LOG2E)))
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
