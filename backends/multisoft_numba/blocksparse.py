@@ -500,8 +500,6 @@ def _common(tensors, lut, positive_scale=True, causal=False):
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
-    if x.numel() == 0:
-        return
     fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, scale > 0, is_causal)
     lanes, warps, grid, floats, _ = shape
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
@@ -511,8 +509,6 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
-    if y.numel() == 0:
-        return
     fmt, width, views, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
     build = _backward_packed_kernel if _packed(width, y.element_size()) else _backward_kernel
     launch(build(fmt, width, floats, lanes, warps), grid, lanes * warps,
