@@ -126,24 +126,26 @@ else:
 
     _LOG2_E = 1.4426950408889634
 
+    def _ex2(context, builder, sig, args, factor=None):
+        """ex2.approx.ftz of the float32 args[0], times `factor` first if given."""
+        value = context.cast(builder, args[0], sig.args[0], types.float32)
+        if factor is not None:
+            value = builder.fmul(value, ir.Constant(_F32, factor))
+        return builder.call(_asm(_F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [value])
+
     @intrinsic
     def fast_exp(typingctx, v):
         """exp(v) as ex2.approx.ftz(v * log2(e)): two instructions, within 2 ulp, results below
         2**-126 flushed to zero. libdevice's __expf without flush-to-zero (numba's default)
         adds a denormal range fix-up of three more instructions per element."""
         def codegen(context, builder, sig, args):
-            value = context.cast(builder, args[0], sig.args[0], types.float32)
-            scaled = builder.fmul(value, ir.Constant(_F32, _LOG2_E))
-            return builder.call(_asm(_F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [scaled])
+            return _ex2(context, builder, sig, args, _LOG2_E)
         return types.float32(v), codegen
 
     @intrinsic
     def fast_exp2(typingctx, v):
         """2**v as one ex2.approx.ftz (fast_exp without its multiply by log2(e))."""
-        def codegen(context, builder, sig, args):
-            value = context.cast(builder, args[0], sig.args[0], types.float32)
-            return builder.call(_asm(_F32, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [value])
-        return types.float32(v), codegen
+        return types.float32(v), _ex2
 
     def _max_pairs(instruction):
         @intrinsic

@@ -285,11 +285,11 @@ def _packed_tile_load(fmt, width, values, lanes):
 
 @functools.cache
 def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
-    """The forward (scores in log2 units, as _forward_kernel's) for 16-bit rows read in pairs and a positive scale, `values` elements per lane held as their
-    words (two a register, _device.packed_io): twice the row in registers of the float kernel, so that rows
-    of the layout's mean length are read once. Masked elements get -inf bits, which a positive scale keeps
-    -inf; the output takes each exponential again, from words unpacked with a shift the compiler cannot see
-    (the first pass's floats are not kept)."""
+    """The forward (scores in log2 units, as _forward_kernel's) for 16-bit rows read in pairs and a positive
+    scale, `values` elements per lane held as their words (two a register, _device.packed_io): twice the row in
+    registers of the float kernel, so that rows of the layout's mean length are read once. Masked elements get
+    -inf bits, which a positive scale keeps -inf; the output takes each exponential again, from words unpacked
+    with a shift the compiler cannot see (the first pass's floats are not kept)."""
     vectors = values // width
     count = width // 2
     held = values // 2   # words per lane

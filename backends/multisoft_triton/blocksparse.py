@@ -27,23 +27,22 @@ MAX_GRID_Z = 65535  # a CUDA grid's second axis
 
 @triton.jit
 def _rows(rows_ptr, rows, ROWS: tl.constexpr, B: tl.constexpr):
-    """This program's rows: block-row, its first block, its number of blocks, row within the block.
+    """This program's rows: their block-row's first block and number of blocks, and the row within the block.
 
     Row r of the launch is row r % B of the block-row described by rows_ptr[3 * (r // B):][:3] as
     (block-row, first block, blocks); the launch has `rows` rows."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = r < rows
     entry = rows_ptr + (r // B) * 3
-    group = tl.load(entry, mask=row_mask, other=0)
     start = tl.load(entry + 1, mask=row_mask, other=0)
     count = tl.load(entry + 2, mask=row_mask, other=0)
-    return group, start, count, r % B
+    return start, count, r % B
 
 
 @triton.jit
 def _slab(rows_ptr, rows, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
     """Offsets and mask of this program's [BLOCKS, ROWS, B] slab, from block first_block."""
-    _, start, count, i = _rows(rows_ptr, rows, ROWS, B)
+    start, count, i = _rows(rows_ptr, rows, ROWS, B)
     k = first_block + tl.arange(0, BLOCKS)
     j = tl.arange(0, B)
     block_mask = k[:, None] < count[None, :]
@@ -55,7 +54,7 @@ def _slab(rows_ptr, rows, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.const
 @triton.jit
 def _longest(rows_ptr, rows, ROWS: tl.constexpr, B: tl.constexpr):
     """The most blocks of any of this program's rows."""
-    _, _, count, _ = _rows(rows_ptr, rows, ROWS, B)
+    _, count, _ = _rows(rows_ptr, rows, ROWS, B)
     return tl.max(count, axis=0)
 
 

@@ -87,14 +87,13 @@ if interpreting():   # decided at import, like triton's own choice of the interp
         return tl.exp2(x)
 else:
     @triton.jit
-    def fast_exp(x):
-        """exp(x) as one ex2.approx.ftz: results below 2**-126 are flushed to zero, which spares the three
-        instructions per element (a compare and two multiplies) of tl.exp's subnormal range fix-up."""
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-
-    @triton.jit
     def fast_exp2(x):
-        """2**x as one ex2.approx.ftz (fast_exp without its multiply by log2 e)."""
+        """2**x as one ex2.approx.ftz: results below 2**-126 are flushed to zero, which spares the three
+        instructions per element (a compare and two multiplies) of tl.exp2's subnormal range fix-up."""
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)
+
+    @triton.jit
+    def fast_exp(x):
+        """exp(x) as fast_exp2(x * log2 e)."""
+        return fast_exp2(x * 1.4426950408889634)
