@@ -81,27 +81,24 @@ def configurations():
         for block, blocks in ((16, 64), (64, 16)):
             tile, slab, rows = blocksparse._plan(blocks, block)
             found.append((f"blocksparse-bwd-b{block}x{blocks}-{dtype}", blocksparse._bwd_tile_kernel,
-                          {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "rows_ptr": "*i32", "rows": "i32", "nnz": "i32",
-                           "scale": "fp32"},
+                          {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, "rows_ptr": "*i32", "rows": "i32",
+                           "nnz": "i32", "scale": "fp32"},
                           {"BLOCKS": slab, "ROWS": rows, "B": block}, blocksparse.warps_for(slab * rows * block)))
         rows_table = {"offsets_ptr": "*i32", "nnz": "i32", "scale": "fp32"}
+        fwd_rows = {"x_ptr": ptr, "out_ptr": ptr, "offsets_ptr": "*i32", "nnz": "i32", "c": "fp32",
+                    "causal_ptr": "*i32"}
         for block, blocks in ((16, 32), (64, 8), (64, 16)):
             rows = min(block, blocksparse.ROW_WARPS)
             for causal in (False, True):
                 found.append((f"blocksparse-fwd-rows-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
-                              blocksparse._fwd_rows_kernel,
-                              {"x_ptr": ptr, "out_ptr": ptr, "offsets_ptr": "*i32", "nnz": "i32", "c": "fp32",
-                               "causal_ptr": "*i32"},
+                              blocksparse._fwd_rows_kernel, fwd_rows,
                               {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1}, rows))
             found.append((f"blocksparse-bwd-rows-b{block}x{blocks}-{dtype}", blocksparse._bwd_rows_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **rows_table, "zero": "i32"},
                           {"BLOCKS": blocks, "ROWS": rows, "B": block, "RAW": size == 2 and blocksparse.ROW_RAW},
                           rows))
-        found.append((f"blocksparse-fwd-rows-b64x16-long-{dtype}", blocksparse._fwd_rows_kernel,
-                      {"x_ptr": ptr, "out_ptr": ptr, "offsets_ptr": "*i32", "nnz": "i32", "c": "fp32",
-                       "causal_ptr": "*i32"},
-                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1},
-                      1))
+        found.append((f"blocksparse-fwd-rows-b64x16-long-{dtype}", blocksparse._fwd_rows_kernel, fwd_rows,
+                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1}, 1))   # one row a program
     return found
 
 
