@@ -16,6 +16,8 @@ import numpy
 
 from ._glue import SIMULATOR
 
+LOG2E = 1.4426950408889634
+
 if SIMULATOR:
     @functools.cache
     def vector_access(words):
@@ -124,8 +126,6 @@ else:
             return builder.zext(builder.bitcast(half, ir.IntType(16)), _I32)
         return types.int32(v), codegen
 
-    _LOG2_E = 1.4426950408889634
-
     def _ex2(context, builder, sig, args, factor=None):
         """ex2.approx.ftz of the float32 args[0], times `factor` first if given."""
         value = context.cast(builder, args[0], sig.args[0], types.float32)
@@ -139,7 +139,7 @@ else:
         2**-126 flushed to zero. libdevice's __expf without flush-to-zero (numba's default)
         adds a denormal range fix-up of three more instructions per element."""
         def codegen(context, builder, sig, args):
-            return _ex2(context, builder, sig, args, _LOG2_E)
+            return _ex2(context, builder, sig, args, LOG2E)
         return types.float32(v), codegen
 
     @intrinsic

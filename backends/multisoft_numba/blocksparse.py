@@ -28,7 +28,7 @@ from numba import cuda, float32, int32, int64, uint64
 from ._device import (HALF_SHIFT, LOW_HALF, NEG_INF, exp2f, fresh_shift, kahan_add, lanes_merge_log2,
                       lanes_sum, nan_max, packed_io, packed_max, packed_pad, row_io, share_shift)
 from ._glue import SIMULATOR, device_function, launch, vector_views
-from ._intrinsics import vector_access
+from ._intrinsics import LOG2E, vector_access
 
 # Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and dy, backward, by
 # element size: the smallest choice whose tile holds the layout's mean row, else the largest. Each is rounded up
@@ -54,7 +54,6 @@ MAX_GRID_Y = 65535     # most along the batch, the same
 SIMULATOR_LANES = 1
 SIMULATOR_GRID = 4
 SIMULATOR_FLOATS = 4
-LOG2E = 1.4426950408889634
 
 
 def _jit(threads):
