@@ -244,6 +244,32 @@ def _special_rows(rows, columns, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("programs_per_row_block", [1, 3])
+def test_forward_of_persistent_programs_that_prefetch_rows(dtype, programs_per_row_block, monkeypatch):
+    """The forward tile as persistent programs that load their next row before storing the current one
+    (PREFETCH_FROM): more rows than programs and fewer, a row count no multiple of the programs, rows of
+    -inf only, a NaN, every third entry -inf. Without a GPU the thresholds come down to rows the interpreter
+    runs quickly."""
+    from multisoft_triton import softmax
+
+    calls = []
+    kernel = softmax._fwd_prefetch_kernel
+    monkeypatch.setattr(softmax, "_fwd_prefetch_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, grid: calls.append(grid) or kernel[grid]})())
+    if torch.cuda.is_available():
+        block, shapes = 32768, [(5, 32768), (1000, 20000), (4, 32001)]
+    else:
+        block, shapes = 64, [(10, 64), (7, 37), (4, 50)]
+    monkeypatch.setattr(softmax, "PREFETCH_FROM", {dtype.itemsize: block})
+    monkeypatch.setattr(softmax, "PREFETCH_SM_ELEMENTS", programs_per_row_block * block)
+    for rows, columns in shapes:
+        for log in (False, True):
+            _check_softmax(_special_rows(rows, columns, dtype), log)
+    assert len(calls) == 2 * len(shapes)
+
+
+@needs_kernels
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "floats"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
