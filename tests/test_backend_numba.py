@@ -291,6 +291,33 @@ def test_rows_too_long_for_the_split_choices_take_wide_parts():
             assert (plan.threads, plan.parts) == (softmax.SPLIT_WIDE_THREADS, wide_parts), plan
 
 
+@needs_backend
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_packed_forward_of_persistent_blocks_that_prefetch_rows(dtype):
+    """The forward of 16-bit rows held as words, a block a row, as persistent blocks that read their next row
+    before they write the current one (path 'prefetch'): more rows than blocks, rows in vectors of 8 and of 2,
+    ragged ends, a row of -inf only, a NaN, every third entry -inf; on a GPU also the plan rows of 32768 take."""
+    from multisoft.check import error_ratio
+    from multisoft_numba import softmax
+    from multisoft_numba._glue import threads_for
+
+    gpu = ON_GPU and not SIMULATED
+    cache = 32 if gpu else 8
+    for rows, n in ((1000, 32768), (300, 20002)) if gpu else ((5, 64), (7, 42)):
+        x = (torch.randn(rows, n, device=DEVICE) * 4).to(dtype)
+        x[1] = float("-inf")
+        x[2, n // 3] = float("nan")
+        x[3, 5::3] = float("-inf")
+        plan = ("prefetch", min(threads_for(n, cache), 1024), 1, cache)
+        for log in (False, True):
+            out = torch.empty_like(x)
+            softmax.forward(x, out, log, plan=plan)
+            _, ratio = error_ratio(out, reference_softmax(x, -1, log), dtype)
+            assert ratio <= 1, f"{plan} {rows}x{n} log={log}: {ratio:.3g} x the tolerance"
+    if gpu:
+        assert softmax._forward_plan(32768, 2, x.device) == ("prefetch", 1024, 1, 32, 0)
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_packed_16bit_rows_on_every_path_and_cache(dtype):

@@ -77,6 +77,11 @@ SPLIT_WIDE_THREADS = 512
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
+# Forward rows held as words (by held bytes) of at least PREFETCH_FROM elements, a block each, run as persistent
+# blocks, one a multiprocessor, that read their next row before they reduce and write the current one
+# (_forward_packed_prefetch): a block that holds a whole row takes the multiprocessor's registers, so its loads and
+# its stores would not overlap.
+PREFETCH_FROM = {2: 32768}
 
 
 @device_function
@@ -352,6 +357,45 @@ def _forward_packed(fmt, width, log, cache, group):
 
 
 @functools.cache
+def _forward_packed_prefetch(fmt, width, log, cache):
+    """forward_packed with a block a row, as persistent blocks that walk the rows a grid apart and have their next
+    row's loads in flight while they reduce and write the current one."""
+    read_packed, _ = packed_io(fmt, width, cache // width)
+    row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
+    write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
+    words = word_layout(fmt, width)[1]
+    held_words = cache // 2
+    pad = packed_pad(fmt, NEG_INF)
+
+    @kernel
+    def forward_packed_prefetch(x, out):
+        rows = uint64(x.shape[0])
+        limit = x.shape[1] // words
+        lane = cuda.threadIdx.x
+        lanes = cuda.blockDim.x
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        slot = cuda.shared.array(1, int32)
+        raw = cuda.local.array(held_words, int32)
+        upcoming = cuda.local.array(held_words, int32)
+        share_shift(slot)
+        row = uint64(cuda.blockIdx.x)
+        step = uint64(cuda.gridDim.x)
+        read_packed(x[row], lane, lanes, limit, upcoming, pad)   # the grid has at most a block a row
+        while row < rows:
+            for k in range(held_words):
+                raw[k] = upcoming[k]
+            following = row + step
+            if following < rows:
+                read_packed(x[following], lane, lanes, limit, upcoming, pad)
+            m = block_max(buf, row_max(raw))
+            s = block_sum(buf, exp_sum(raw, m, fresh_shift(slot)))
+            write_packed(out[row], lane, lanes, limit, raw, raw, fresh_shift(slot), m, _output_parameter(s, log))
+            row = following
+
+    return forward_packed_prefetch
+
+
+@functools.cache
 def _backward_packed(fmt, width, log, cache, group):
     """backward_cached for 16-bit rows held as words."""
     read_packed, _ = packed_io(fmt, width, cache // width)
@@ -593,9 +637,10 @@ def _max_parts(device_index: int, held: int) -> int:
 
 
 class Plan(NamedTuple):
-    """How a launch walks its rows: `path` ('cached' | 'split' | 'looping') with blocks of `threads` threads,
-    each holding `cache` elements per thread (split, looping: the looping kernels' width is UNROLL), a row cut
-    into `parts` blocks (split); `group` > 0 (cached only): a row per `group` threads, several rows a block."""
+    """How a launch walks its rows: `path` ('cached' | 'prefetch' | 'split' | 'looping') with blocks of `threads`
+    threads, each holding `cache` elements per thread (split, looping: the looping kernels' width is UNROLL), a row
+    cut into `parts` blocks (split); `group` > 0 (cached only): a row per `group` threads, several rows a block;
+    prefetch (forward, 16-bit rows held as words): cached with a block a row, as persistent blocks."""
 
     path: str
     threads: int
@@ -633,6 +678,20 @@ def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0
     return Plan("looping", threads_for(n, 8 * UNROLL), 1, splits[0][1])
 
 
+def _forward_plan(n: int, held: int, device) -> Plan:
+    plan = _plan(n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held, device, ROW_GROUP_MAX["forward"])
+    if plan.path == "cached" and not plan.group and held == 2 and n >= PREFETCH_FROM.get(held, float("inf")):
+        return plan._replace(path="prefetch")
+    return plan
+
+
+def _persistent_blocks(rows: int, device) -> int:
+    """Blocks of a persistent launch: one a multiprocessor (the simulator: two, each walking several rows)."""
+    if SIMULATOR or device.type != "cuda":
+        return min(rows, 2)
+    return min(rows, _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def _cached_blocks(rows: int, threads: int, group: int) -> int:
     """Blocks of the cached kernels: a row each, or threads // group rows each."""
     return -(-rows // (threads // group)) if group else rows
@@ -654,8 +713,7 @@ def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
     fmt, width, words = vector_views((x, out))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache, group = Plan(*plan) if plan else _plan(
-        n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held, x.device, ROW_GROUP_MAX["forward"])
+    path, threads, parts, cache, group = Plan(*plan) if plan else _forward_plan(n, held, x.device)
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
@@ -665,6 +723,8 @@ def forward(x, out, log: bool, plan=None) -> None:
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached
         launch(build(fmt, width, log, cache, group), _cached_blocks(rows, threads, group), threads, words)
+    elif path == "prefetch":
+        launch(_forward_packed_prefetch(fmt, width, log, cache), _persistent_blocks(rows, x.device), threads, words)
     else:
         launch(_forward_looping(fmt, width, log, UNROLL), rows, threads, words)
 
