@@ -3,7 +3,9 @@
 Three ways to walk a row, all reading in float32 and writing in the row's dtype:
 - cached: the row held in registers (CACHE elements per thread): one read of the
   input. A thread block per row, or for short rows a group of threads per row,
-  several rows a block (ROW_GROUP_MAX).
+  several rows a block (ROW_GROUP_MAX). The forward of 16-bit rows of 32768
+  (PREFETCH_FROM) runs as persistent blocks that read their next row while they
+  reduce and write the current one.
 - split (GPU only, long rows): the row cut into parts (forward: SPLIT_CACHE x SPLIT_THREADS
   elements, backward: SPLIT_BWD), one block per part, each holding its part in registers; the parts exchange
   their statistics through global memory and wait for each other, so the input

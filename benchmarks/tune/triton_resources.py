@@ -47,6 +47,10 @@ def configurations():
                     found.append((f"softmax-bwd-tile-{dtype}-{n}{tag}", softmax._bwd_tile_kernel, bwd,
                                   {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw},
                                   softmax.warps_for(2 * rows * n)))
+        if size in softmax.PREFETCH_FROM:
+            block = softmax.PREFETCH_FROM[size]
+            found.append((f"softmax-fwd-prefetch-{dtype}-{block}", softmax._fwd_prefetch_kernel, fwd,
+                          {"BLOCK": block, "LOG": False}, softmax.warps_for(block)))
         chunk, warps = softmax.SPLIT_CONFIGS[0]
         split = {"CHUNK": chunk, "CHUNKS_P2": 64, "LOG": False, "TICKET": softmax.SPLIT_TICKET,
                  "COUNTER_STRIDE": softmax.SPLIT_COUNTER_STRIDE}
