@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen
+from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -257,7 +257,7 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, **constexprs):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra,
-                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=rows, **constexprs)
+                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=rows, **LAUNCH, **constexprs)
 
 
 def _plan(blocks, block):
@@ -321,7 +321,7 @@ def _launch(kernels, lut, tensors, scale):
                 kernel = kernels[0] if tile else kernels[1]
                 grid = (triton.cdiv(groups * lut.block, rows), part[0].shape[0])
                 kernel[grid](*part, table, groups * lut.block, lut.nnz, float(scale), BLOCKS=blocks, ROWS=rows,
-                             B=lut.block, num_warps=warps_for(blocks * rows * lut.block))
+                             B=lut.block, num_warps=warps_for(blocks * rows * lut.block), **LAUNCH)
 
 
 def forward(x, out, lut, scale, is_causal):

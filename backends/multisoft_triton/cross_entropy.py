@@ -9,7 +9,7 @@ A target outside [0, C) that is not ignore_index is never loaded; its loss is Na
 import triton
 import triton.language as tl
 
-from .utils import fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for
+from .utils import LAUNCH, fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for
 
 TILE_MAX = 8192
 TILE_ELEMENTS = 8192
@@ -167,12 +167,12 @@ def forward(logits, target, weight, loss, lse, row_weight, ignore_index, label_s
             _fwd_tile_kernel[(triton.cdiv(M, rows),)](
                 logits, target, weight_arg, loss, lse, row_weight, M, C, int(ignore_index), keep, smooth_per_class,
                 ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth,
-                num_warps=warps_for(rows * block))
+                num_warps=warps_for(rows * block), **LAUNCH)
         else:
             loop_block, warps = LOOP_CONFIGS[logits.element_size()]
             _fwd_loop_kernel[(M,)](
                 logits, target, weight_arg, loss, lse, row_weight, C, int(ignore_index), keep, smooth_per_class,
-                BLOCK=loop_block, STAGES=LOOP_STAGES, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps)
+                BLOCK=loop_block, STAGES=LOOP_STAGES, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps, **LAUNCH)
 
 
 def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing):
@@ -189,4 +189,4 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
         _bwd_kernel[grid](
             logits, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse, grad_loss,
             grad_loss.stride(0), grad_logits, M, C, int(ignore_index), keep, smooth_per_class, ROWS=rows, BLOCK=block,
-            HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps_for(rows * block))
+            HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps_for(rows * block), **LAUNCH)

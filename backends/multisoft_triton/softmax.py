@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import (fast_exp, interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count, warps_for,
-                    widen)
+from .utils import (LAUNCH, fast_exp, interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count,
+                    warps_for, widen)
 
 # The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
 # backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
@@ -96,7 +96,7 @@ def _fwd_prefetch_kernel(x_ptr, out_ptr, M, N, BLOCK: tl.constexpr, LOG: tl.cons
     row's loads in flight while they reduce and store the current one."""
     cols = tl.arange(0, BLOCK)[None, :]
     step = tl.num_programs(0)
-    row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)[:, None]  # a [1, 1] block: a scalar mask trips the interpreter
+    row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)[:, None]  # [1, 1]: a scalar in a mask trips the interpreter
     upcoming = tl.load(x_ptr + row * N + cols, mask=(row < M) & (cols < N), other=-float("inf"))
     for _ in range(tl.program_id(0), M, step):
         x = upcoming.to(tl.float32)
@@ -352,19 +352,20 @@ def forward(x, out, log):
     with on_device(x):
         if PREFETCH_FROM.get(x.element_size(), math.inf) <= block <= FORWARD_TILE_MAX[x.element_size()]:
             programs = max(1, sm_count(x)) * max(1, PREFETCH_SM_ELEMENTS // block)
-            _fwd_prefetch_kernel[(min(M, programs),)](x, out, M, N, BLOCK=block, LOG=log, num_warps=warps_for(block))
+            _fwd_prefetch_kernel[(min(M, programs),)](x, out, M, N, BLOCK=block, LOG=log, num_warps=warps_for(block),
+                                                      **LAUNCH)
             return
         if block <= FORWARD_TILE_MAX[x.element_size()]:
             rows = _tile_rows(x, block)
             _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
-                                                      num_warps=warps_for(rows * block))
+                                                      num_warps=warps_for(rows * block), **LAUNCH)
             return
         config = _split_config(x, N)
         if config is None:
-            _fwd_loop_kernel[(M,)](x, out, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
+            _fwd_loop_kernel[(M,)](x, out, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8, **LAUNCH)
             return
         cap = SPLIT_FORWARD_MAXNREG.get(x.element_size())
-        options = {"maxnreg": cap} if cap else {}
+        options = {**LAUNCH, "maxnreg": cap} if cap else LAUNCH
         stream = SPLIT_STREAM.get(x.element_size())
         if stream is not None and triton.cdiv(N, stream[0]) <= sm_count(x):
             chunk, sub, warps, stages = stream
@@ -395,11 +396,11 @@ def backward(y, dy, dx, log):
             rows = _tile_rows(y, block)
             _bwd_tile_kernel[(triton.cdiv(M, rows),)](y, dy, dx, M, N, 0, ROWS=rows, BLOCK=block, LOG=log,
                                                       RAW=_held_raw(y, "backward tile", block),
-                                                      num_warps=warps_for(2 * rows * block))
+                                                      num_warps=warps_for(2 * rows * block), **LAUNCH)
             return
         config = _split_config(y, N)
         if config is None:
-            _bwd_loop_kernel[(M,)](y, dy, dx, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8)
+            _bwd_loop_kernel[(M,)](y, dy, dx, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8, **LAUNCH)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
@@ -408,4 +409,4 @@ def backward(y, dy, dx, log):
             y, dy, dx, sums, _split_counters(y, M), N, chunks, 0, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
             COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(y, "backward split", block),
-            LATE_Y=SPLIT_LATE_Y[y.element_size()], num_warps=warps)
+            LATE_Y=SPLIT_LATE_Y[y.element_size()], num_warps=warps, **LAUNCH)

@@ -8,6 +8,11 @@ import triton
 import triton.language as tl
 
 
+# Options of every launch. The kernels were tuned with a * b + c compiled as one FMA, triton's default through 3.9,
+# which warns that 3.10 will no longer fuse by default (TRITON_DEFAULT_FP_FUSION): they ask for it.
+LAUNCH = {"enable_fp_fusion": True}
+
+
 def on_device(tensor):
     """Context that makes `tensor`'s CUDA device current (triton launches on its current stream)."""
     if tensor.is_cuda:
