@@ -47,6 +47,7 @@ if SIMULATOR:
 else:
     from cuda.bindings.utils import get_cuda_native_handle
     from cuda.core import LaunchConfig
+    from cuda.core import Stream as CoreStream
     from cuda.core import launch as cuda_core_launch
     from numba.cuda.cudadrv.driver import driver as numba_driver
 
@@ -103,17 +104,19 @@ def as_array(t: torch.Tensor):
     return cuda.as_cuda_array(t, sync=False)
 
 
-_streams: dict[tuple[int, int], object] = {}
+_streams: dict[tuple[int, int], tuple] = {}
 
 
-def _numba_stream(index: int):
-    """numba's wrapper of torch's current stream on device `index` (made inside that device's context)."""
+def _current_streams(index: int) -> tuple:
+    """torch's current stream on device `index` as (numba's wrapper, for numba's launches; cuda.core's Stream, for
+    the fast path: cuda.core deprecates taking numba's wrapper through the stream protocol), made inside that
+    device's context."""
     handle = torch.cuda.current_stream(index).cuda_stream
-    stream = _streams.get((index, handle))
-    if stream is None:
+    streams = _streams.get((index, handle))
+    if streams is None:
         with cuda.gpus[index]:
-            stream = _streams[(index, handle)] = cuda.external_stream(handle)
-    return stream
+            streams = _streams[(index, handle)] = (cuda.external_stream(handle), CoreStream.from_handle(handle))
+    return streams
 
 
 # The fast launch path. numba's own launch re-derives every argument's type and wraps
@@ -170,7 +173,7 @@ def launch(kernel_, grid, threads: int, args) -> None:
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _numba_stream(index)
+    stream, core_stream = _current_streams(index)
     fast = FAST_LAUNCH and index == torch.cuda.current_device() and all(
         a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
     key = (id(kernel_), index, _signature(args)) if fast else None
@@ -179,10 +182,10 @@ def launch(kernel_, grid, threads: int, args) -> None:
         config = LaunchConfig(grid=grid, block=threads, shmem_size=0)
         params = _pack(args)
         if _context_is_current(index):
-            cuda_core_launch(stream, config, compiled, *params)
+            cuda_core_launch(core_stream, config, compiled, *params)
         else:
             with cuda.gpus[index]:
-                cuda_core_launch(stream, config, compiled, *params)
+                cuda_core_launch(core_stream, config, compiled, *params)
         return
     with cuda.gpus[index]:
         arrays = [as_array(a) if isinstance(a, torch.Tensor) else a for a in args]
