@@ -330,15 +330,19 @@ def _output_parameter(s, log):
     return logf(s) if log else float32(1.0) / s
 
 
-@functools.cache
-def _forward_packed(fmt, width, log, cache, group):
-    """forward_cached for 16-bit rows held as words."""
+def _packed_forward_pieces(fmt, width, log, cache):
+    """What the forwards of 16-bit rows held as words build on: (read_packed, row_max, exp_sum, write_packed,
+    words a vector, words held a thread, the padding word)."""
     read_packed, _ = packed_io(fmt, width, cache // width)
     row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
-    words = word_layout(fmt, width)[1]
-    held_words = cache // 2
-    pad = packed_pad(fmt, NEG_INF)
+    return read_packed, row_max, exp_sum, write_packed, word_layout(fmt, width)[1], cache // 2, packed_pad(fmt, NEG_INF)
+
+
+@functools.cache
+def _forward_packed(fmt, width, log, cache, group):
+    """forward_cached for 16-bit rows held as words."""
+    read_packed, row_max, exp_sum, write_packed, words, held_words, pad = _packed_forward_pieces(fmt, width, log, cache)
     thread_row, group_max, group_sum = row_groups(group)
 
     @kernel
@@ -362,12 +366,7 @@ def _forward_packed(fmt, width, log, cache, group):
 def _forward_packed_prefetch(fmt, width, log, cache):
     """forward_packed with a block a row, as persistent blocks that walk the rows a grid apart and have their next
     row's loads in flight while they reduce and write the current one."""
-    read_packed, _ = packed_io(fmt, width, cache // width)
-    row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
-    write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
-    words = word_layout(fmt, width)[1]
-    held_words = cache // 2
-    pad = packed_pad(fmt, NEG_INF)
+    read_packed, row_max, exp_sum, write_packed, words, held_words, pad = _packed_forward_pieces(fmt, width, log, cache)
 
     @kernel
     def forward_packed_prefetch(x, out):
@@ -553,12 +552,7 @@ def _backward_split(fmt, width, log, cache, bound):
 @functools.cache
 def _forward_split_packed(fmt, width, log, cache):
     """forward_split for 16-bit rows held as words."""
-    read_packed, _ = packed_io(fmt, width, cache // width)
-    row_max, exp_sum, _ = _packed_reductions(fmt, width, cache)
-    write_packed = _packed_writer(fmt, width, cache, _log_softmax_value if log else _softmax_value)
-    words = word_layout(fmt, width)[1]
-    held_words = cache // 2
-    pad = packed_pad(fmt, NEG_INF)
+    read_packed, row_max, exp_sum, write_packed, words, held_words, pad = _packed_forward_pieces(fmt, width, log, cache)
 
     @kernel
     def forward_split_packed(x, out, stats, sync, parts):
