@@ -47,7 +47,6 @@ class BlockSparseLUT:
         return self.nnz / max(1, self.heads * self.block_rows)
 
 
-
 # id(layout) -> (weak reference to layout, {(version, block, device): lut}); entries leave with their layout.
 _luts: dict[int, tuple[weakref.ref, dict]] = {}
 

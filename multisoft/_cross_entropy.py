@@ -15,6 +15,7 @@ from ._registry import get_backend, resolve_name
 
 REDUCTIONS = ("none", "mean", "sum")
 
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Per-row losses and log-sum-exps: float32, or float64 for float64 logits."""
     return torch.promote_types(dtype, torch.float32)

@@ -1052,8 +1052,8 @@ def _targets_section(timings: list[Timing]) -> list[str]:
         return []
     copies = {(t.shape, t.dtype, t.bytes): t.fraction_of_copy for t in timings if t.role == "copy"}
     lines = ["## against the targets", "",
-             "Cells held to a backend's target: " + "; ".join(f"{op} {', '.join(directions)}"
-                                                            for op, directions in TARGET_DIRECTIONS.items())
+             "Cells held to a backend's target: "
+             + "; ".join(f"{op} {', '.join(directions)}" for op, directions in TARGET_DIRECTIONS.items())
              + ", on the headline shapes and the layouts (not the sweep). Below a target: the cell as the tables "
              f"round it is under it. Why each falls short, as measured: {SHORTFALL_REASONS}.", "",
              "| backend | target | cells | below | below, by op and direction |", "|---|---:|---:|---:|---|"]

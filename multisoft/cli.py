@@ -21,7 +21,8 @@ def _info(args) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         props = torch.cuda.get_device_properties(device)
         print(f"GPU: {props.name} (compute capability {props.major}.{props.minor}, "
-              f"{props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} device(s)), CUDA {torch.version.cuda}")
+              f"{props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} device(s)), "
+              f"CUDA {torch.version.cuda}")
     else:
         device = torch.device("cpu")
         print("GPU: none (no CUDA device visible to torch)")

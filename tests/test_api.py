@@ -17,7 +17,6 @@ from multisoft.check import reference_cross_entropy
 # -- resolution: argument > use_backend > environment > default
 
 
-
 @pytest.fixture
 def ran(monkeypatch):
     """Names of the backends whose softmax kernel ran, in order."""
@@ -383,8 +382,8 @@ def test_opcheck_registered_ops():
 
     x = torch.randn(4, 9, requires_grad=True)
     torch.library.opcheck(softmax.softmax_forward_op, (x, True, "torch"))
-    torch.library.opcheck(softmax.softmax_backward_op, (torch.softmax(x, -1).detach(), torch.randn(4, 9), False,
-                                                          "torch"))
+    torch.library.opcheck(softmax.softmax_backward_op,
+                          (torch.softmax(x, -1).detach(), torch.randn(4, 9), False, "torch"))
     target = torch.tensor([1, -100, 8, 0])
     weight = torch.rand(9)
     torch.library.opcheck(cross_entropy.cross_entropy_forward_op,

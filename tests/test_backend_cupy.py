@@ -260,8 +260,8 @@ def test_launch_opts_in_to_large_shared_memory_once(monkeypatch):
             self.shared.append(shared_mem)
 
     kernels = {}
-    monkeypatch.setattr(_module, "kernel", lambda index, src, element, expr: kernels.setdefault((index, expr),
-                                                                                                  Kernel()))
+    monkeypatch.setattr(_module, "kernel",
+                        lambda index, src, element, expr: kernels.setdefault((index, expr), Kernel()))
     monkeypatch.setattr(_module, "cupy", SimpleNamespace(cuda=SimpleNamespace(Device=contextlib.nullcontext)))
     monkeypatch.setattr(_module, "_stream", contextlib.nullcontext)
     monkeypatch.setattr(_module, "device_index", lambda t: t.numel())  # a tensor of n elements: device n

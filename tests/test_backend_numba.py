@@ -248,6 +248,7 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
     x = (torch.randn(3, n, device=DEVICE) * 3).to(dtype)
     x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path
     x[2] = float("-inf")
+
     def plan_for(threads, cache):  # the split path forced, whatever the defaults choose for this shape
         parts = -(-n // (threads * cache))
         if path == "split" and parts > torch.cuda.get_device_properties(x.device).multi_processor_count // 2:

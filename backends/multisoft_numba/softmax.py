@@ -661,6 +661,7 @@ def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0
             return Plan("cached", threads, 1, cache)
     if not SIMULATOR and device is not None and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
+
         def fitting(choices):
             plans = [Plan("split", threads, -(-n // (threads * cache)), cache) for threads, cache in choices]
             return [p for p in plans if p.parts <= _max_parts(index, held)]

@@ -18,8 +18,8 @@ def main():
     timer = lambda fn: bench.queued_bench(fn, 5.0, 25.0)  # noqa: E731
     reference = bench.gb_per_s(2 * bench.COPY_BYTES, bench.copy_ms(timer))
     print(f"copy bandwidth (1 GiB): {reference:.0f} GB/s")
-    shapes = [(m, n, "softmax") for m, n in bench.HEADLINE] + [(m, n, "cross_entropy")
-                                                                for m, n in bench.CROSS_ENTROPY]
+    shapes = ([(m, n, "softmax") for m, n in bench.HEADLINE]
+              + [(m, n, "cross_entropy") for m, n in bench.CROSS_ENTROPY])
     for m, n, op in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             ms, nbytes = bench._copy_of(timer, (m, n), dtype)

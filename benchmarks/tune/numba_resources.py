@@ -61,8 +61,8 @@ def configurations():
             build = softmax._forward_packed if packed else softmax._forward_cached
             found.append((f"fwd-cached-{name}-{cache}", build(fmt, width, False, cache, 0), (arr, arr), MAX_THREADS))
             if packed:
-                found.append((f"fwd-prefetch-{name}-{cache}", softmax._forward_packed_prefetch(fmt, width, False, cache),
-                              (arr, arr), MAX_THREADS))
+                prefetch = softmax._forward_packed_prefetch(fmt, width, False, cache)
+                found.append((f"fwd-prefetch-{name}-{cache}", prefetch, (arr, arr), MAX_THREADS))
         for cache in softmax.CACHE_BWD[held]:
             build = softmax._backward_packed if packed else softmax._backward_cached
             found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache, 0), (arr, arr, arr),

@@ -78,7 +78,8 @@ def configurations():
         block = cross_entropy.BACKWARD_BLOCK
         found.append((f"cross_entropy-bwd-{dtype}", cross_entropy._bwd_kernel,
                       {"logits_ptr": ptr, "target_ptr": "*i64", "weight_ptr": "*fp32", "weight_sum_ptr": "*fp32",
-                       "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_stride": "i32", "grad_ptr": ptr, "M": "i32", "C": "i32",
+                       "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_stride": "i32", "grad_ptr": ptr, "M": "i32",
+                       "C": "i32",
                        **scalars},
                       {"ROWS": 1, "BLOCK": block, "HAS_WEIGHT": False, "SMOOTH": False},
                       cross_entropy.warps_for(block)))
