@@ -11,9 +11,7 @@ import os
 import torch
 
 from multisoft._registry import _default_backends
-from multisoft.check import (DTYPES, TOLERANCES, error_ratio, reference_blocksparse,  # noqa: F401
-                             reference_blocksparse_backward, reference_cross_entropy, reference_softmax,
-                             reference_softmax_backward, softmax_backward_magnitude)
+from multisoft.check import TOLERANCES, error_ratio
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda"

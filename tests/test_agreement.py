@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import multisoft
-from harness import (DEVICE, DTYPES, ON_GPU, assert_close, backends_under_test, reference_blocksparse,
-                     reference_blocksparse_backward, reference_cross_entropy, reference_softmax,
-                     reference_softmax_backward, simulated, softmax_backward_magnitude)
+from harness import DEVICE, ON_GPU, assert_close, backends_under_test, simulated
+from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
+                             reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
 
 BACKENDS = backends_under_test()
 

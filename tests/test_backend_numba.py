@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from harness import (DEVICE, ON_GPU, assert_close, reference_blocksparse, reference_blocksparse_backward,
-                     reference_softmax, reference_softmax_backward)
+from harness import DEVICE, ON_GPU, assert_close
+from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_softmax,
+                             reference_softmax_backward)
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
