@@ -607,6 +607,9 @@ def test_blocksparse_forward_stages_rows_where_it_measured_faster():
     assert staged(4096, 16384, 2, 90).cap == caps[-1]  # 5120 elements: the largest buffer, rows in parts
     assert staged(_catalog.BLOCKSPARSE_STAGED_FROM - 1, 1024, 2, 90) is None  # short rows: registers
     assert staged(1024, 1200, 2, 75) is None  # no cp.async before sm_80
+    cfg = staged(1024, 1200, 2, 90)   # a warp a row: rows / warps blocks, rounded up, within the grid limit
+    assert cfg.grid(4 * cfg.warps) == 4 and cfg.grid(4 * cfg.warps + 1) == 5
+    assert cfg.grid(1 << 40) == _catalog.MAX_GRID
 
 
 @gpu

@@ -90,6 +90,10 @@ class BlockSparseStaged(NamedTuple):
     def shared_bytes(self) -> int:
         return self.warps * self.cap * 16
 
+    def grid(self, rows: int) -> int:
+        """Blocks: a warp a row, within the grid limit (beyond it the warps walk rows)."""
+        return min(-(-rows // self.warps), MAX_GRID)
+
 
 # The block-sparse forward stages rows in shared memory (bs_fwd_staged) where the layout's mean row is
 # BLOCKSPARSE_STAGED_FROM elements or more, in a buffer that holds the longest row, or BLOCKSPARSE_STAGED_MARGIN times

@@ -50,9 +50,8 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     staged = _staged_config(x, out, lut)
     if staged is not None:
         args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.causal), *sizes, log2b, f32(scale), i32(is_causal))
-        grid = (min(-(-rows // staged.warps), _catalog.MAX_GRID), 1, 1)
-        launch(x, SOURCE, _catalog.blocksparse_staged_kernel(ctype(x.dtype), staged), grid, (32 * staged.warps, 1, 1),
-               args, shared_mem=staged.shared_bytes)
+        launch(x, SOURCE, _catalog.blocksparse_staged_kernel(ctype(x.dtype), staged), (staged.grid(rows), 1, 1),
+               (32 * staged.warps, 1, 1), args, shared_mem=staged.shared_bytes)
         return
     cfg, grid = _row_config(x, lut, FORWARD_FLOATS)
     args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.columns), *sizes, i32(lut.block_rows), log2b, f32(scale),
