@@ -29,13 +29,13 @@ MAX_GRID_Z = 65535  # a CUDA grid's second axis
 def _rows(rows_ptr, rows, ROWS: tl.constexpr, B: tl.constexpr):
     """This program's rows: their block-row's first block and number of blocks, and the row within the block.
 
-    Row r of the launch is row r % B of the block-row described by rows_ptr[3 * (r // B):][:3] as
-    (block-row, first block, blocks); the launch has `rows` rows."""
+    Row r of the launch is row r % B of the block-row described by rows_ptr[2 * (r // B):][:2] as
+    (first block, blocks); the launch has `rows` rows."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = r < rows
-    entry = rows_ptr + (r // B) * 3
-    start = tl.load(entry + 1, mask=row_mask, other=0)
-    count = tl.load(entry + 2, mask=row_mask, other=0)
+    entry = rows_ptr + (r // B) * 2
+    start = tl.load(entry, mask=row_mask, other=0)
+    count = tl.load(entry + 1, mask=row_mask, other=0)
     return start, count, r % B
 
 
@@ -283,7 +283,7 @@ _schedules = {}
 def _schedule(lut, save):
     """The launches for this look-up table: (its block-rows' table on the device, block-rows, plan) each.
 
-    The table holds (block-row, first block, blocks) per block-row, read in one round trip by each
+    The table holds (first block, blocks) per block-row, read in one round trip by each
     program. The non-empty block-rows, in memory order (DRAM pages in sequence), go in one launch, or in
     one launch per power of two of their block count (all rows past the tile path's reach in one loop
     launch) when that pads the slabs by the share `save` less (BUCKETS_SAVE)."""
@@ -303,7 +303,7 @@ def _schedule(lut, save):
         buckets = {None: order} if order else {}
     launches = []
     for groups in buckets.values():
-        table = torch.tensor([(g, offsets[g], counts[g]) for g in groups], dtype=torch.int32,
+        table = torch.tensor([(offsets[g], counts[g]) for g in groups], dtype=torch.int32,
                              device=lut.offsets.device)
         longest = max(counts[g] for g in groups)
         launches.append((table, len(groups), _plan(next_power_of_2(longest), lut.block)))
