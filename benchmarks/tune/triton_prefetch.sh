@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Triton forward of rows of 32768 (one program a row holds the row as floats, one program a multiprocessor, its
-# loads and stores not overlapped) against persistent programs (PERSISTENT_TILE: smallest block, programs a
-# multiprocessor, warps, stages) that have the next row's loads in flight while they reduce and store the current
-# one: prefetched into registers (stages 0) or staged in shared memory by the pipeliner (stages >= 2).
-# Round 1 (results/tuning/triton-prefetch-round1.txt) ran an uncommitted tree with a setting since replaced,
-# PERSISTENT_TILE (its variants are listed in that file); the prefetch it kept is PREFETCH_FROM. Round 2: the row
-# length from which to prefetch and the elements a multiprocessor holds. Writes $OUT/triton_prefetch2.csv.
+# Triton forward of long 16-bit rows as persistent programs that load their next row into registers before they
+# reduce and store the current one (PREFETCH_FROM: from which row length; PREFETCH_SM_ELEMENTS: elements a
+# multiprocessor holds) against one program a row (tile: the row as floats, one program a multiprocessor at 32768,
+# its loads and stores not overlapped). Round 1 (results/tuning/triton-prefetch-round1.txt) ran an uncommitted tree
+# whose setting, PERSISTENT_TILE, also offered staging the next row in shared memory through the pipeliner (its
+# variants are listed in that file); this script is round 2. Writes $OUT/triton_prefetch2.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
