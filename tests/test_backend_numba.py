@@ -423,3 +423,69 @@ def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
     blocksparse.backward(out, dy, dx, lut, scale)
     expected, magnitude = reference_blocksparse_backward(out, dy, layout, block, scale)
     assert_close(dx, expected, dtype, "backward", magnitude)
+
+
+def _spy_on(monkeypatch, module, name, built):
+    """Replace module.name (a kernel factory) with one that records its last argument (the stash) in `built`."""
+    original = getattr(module, name)
+
+    def spy(*args):
+        built.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(module, name, spy)
+
+
+@needs_backend
+@pytest.mark.parametrize("kept", ["one", "all"])
+@pytest.mark.parametrize("dtype, is_causal", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)],
+                         ids=["float32-full", "float32-causal", "bfloat16-causal"])
+def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_causal, kept):
+    """Rows of several tiles: the second pass takes one, or all but the last, of the longest row's tiles from
+    shared memory, where the first pass kept them, and reads the others again: the forward (floats, or 16-bit
+    words) and the float backward (y and dy)."""
+    from multisoft._blocksparse import lookup_table
+    from multisoft_numba import blocksparse
+    for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
+                        ("FORWARD_FLOATS", {4: (2,), 2: (2,)}), ("BACKWARD_FLOATS", {4: (2,), 2: (2,)}),
+                        ("PACKED_VALUES", {"forward": (4,), "backward": (4,)}), ("MAX_GRID", 3), ("MAX_GRID_Y", 1)):
+        monkeypatch.setattr(blocksparse, name, value)
+    block, scale = 16, 0.7
+    layout = (torch.rand(2, 2, 12) < 0.7).long()
+    layout[:, :, 0] = 1
+    layout[0, 1] = 0                  # a block-row with no blocks
+    layout[1, 1, 1] = 0               # no diagonal block
+    lut = lookup_table(layout, block, DEVICE)
+    x = (torch.randn(2, lut.nnz, block, block, device=DEVICE) * 3).to(dtype)
+    x[1, 0, 5] = float("-inf")        # a row of the first block-row with every element -inf
+    out = torch.empty_like(x)
+    packed = dtype != torch.float32
+    shape = blocksparse._common((x, out), lut, True, is_causal)[3]
+    lanes, warps, _, forward_values, backward_values = shape
+
+    def stash_for(values, size):
+        """STASH_BYTES for the `kept` tiles of `values` a lane, and those tiles."""
+        tiles = -(-lut.max_blocks * block // (lanes * values))
+        assert tiles >= 3, "the longest row must have tiles kept and tiles read again"
+        stash = {"one": 1, "all": tiles - 1}[kept]
+        return stash * warps * lanes * values * size, stash
+
+    stash_bytes, stash = stash_for(forward_values, 2 if packed else 4)
+    monkeypatch.setattr(blocksparse, "STASH_BYTES", stash_bytes)
+    built = []
+    _spy_on(monkeypatch, blocksparse, "_forward_packed_kernel" if packed else "_forward_kernel", built)
+    blocksparse.forward(x, out, lut, scale, is_causal)
+    assert built == [stash]
+    assert_close(out, reference_blocksparse(x, layout, block, scale, is_causal), dtype, "forward")
+    if packed:
+        return
+    dy = torch.randn_like(out)
+    dx = torch.empty_like(out)
+    stash_bytes, stash = stash_for(backward_values, 8)
+    monkeypatch.setattr(blocksparse, "STASH_BYTES", stash_bytes)
+    built = []
+    _spy_on(monkeypatch, blocksparse, "_backward_kernel", built)
+    blocksparse.backward(out, dy, dx, lut, scale)
+    assert built == [stash]
+    expected, magnitude = reference_blocksparse_backward(out, dy, layout, block, scale)
+    assert_close(dx, expected, dtype, "backward", magnitude)

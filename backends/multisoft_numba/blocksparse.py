@@ -46,6 +46,10 @@ BACKWARD_FLOATS = {4: (16, 32), 2: (16,)}
 # 0.72-0.78 -> 0.87-0.90).
 PACK_16BIT = True
 PACKED_VALUES = {"forward": (32, 48, 64), "backward": (32, 48, 64)}
+# The forwards and the float backward keep the first tiles of rows longer than one tile in shared memory for their
+# second pass, where they read them again: as many as the layout's longest row has but its last, in at most
+# STASH_BYTES a block.
+STASH_BYTES = 48 * 1024
 WARPS = 4              # rows (warps) per thread block on the GPU
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
@@ -89,13 +93,35 @@ def _causal_kept(causal, group, i, log2b):
 
 
 @functools.cache
-def _forward_kernel(fmt, width, causal, floats, lanes, warps):
+def _stash_io(count, lanes):
+    """(keep(saved, vals, at), fetch(saved, vals, at)): a lane's `count` values of a tile to or from its slots of
+    a row's stash in shared memory, from `at` a lane apart (no bank conflicts). Only the lane reads back what it
+    kept, so no barrier."""
+
+    @device_function
+    def keep(saved, vals, at):
+        for k in range(count):
+            saved[at + k * lanes] = vals[k]
+
+    @device_function
+    def fetch(saved, vals, at):
+        for k in range(count):
+            vals[k] = saved[at + k * lanes]
+
+    return keep, fetch
+
+
+@functools.cache
+def _forward_kernel(fmt, width, causal, floats, lanes, warps, stash=0):
     """The forward for element format `fmt` in vectors of `width`, `floats` values per lane
     (a multiple of width), `lanes` lanes per row, `warps` rows per block; scores in log2 units (c * x, c =
-    scale * log2(e)), each term one ex2."""
+    scale * log2(e)), each term one ex2. The first `stash` tiles of a row longer than one are kept in shared
+    memory by the first pass for the second, which reads only the others again."""
     vectors = floats // width
     tile = lanes * vectors
+    held = lanes * floats   # a tile's values, a row
     read, write = row_io(fmt, width)
+    keep, fetch = _stash_io(floats, lanes)
 
     @device_function
     def load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c):
@@ -132,6 +158,8 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
+        saved = cuda.shared.array(max(1, warps * stash * held), float32)
+        slot = int64(cuda.threadIdx.x // lanes) * (stash * held) + lane   # the lane's first slot of the stash
         z = int64(cuda.blockIdx.y)
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
@@ -146,6 +174,8 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                     load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c)
                     if causal:
                         mask_past(vals, t, lane, kept)
+                    if t < stash and t < tiles - 1:
+                        keep(saved, vals, slot + t * held)
                     top = NEG_INF
                     for k in range(floats):
                         top = nan_max(top, vals[k])
@@ -162,7 +192,8 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 empty = row_m == NEG_INF   # every element masked or -inf: zeros
                 inv_s = float32(0.0) if empty else float32(1.0) / row_s
                 factor = float32(0.0) if empty or m == NEG_INF else exp2f(m - row_m) * inv_s
-                # pass 2: the last tile from registers, the others read again (zeros if the row is empty)
+                # pass 2: the last tile from registers, the stashed ones from shared memory, the others read again
+                # (zeros if the row is empty)
                 if tiles > 0:
                     for k in range(floats):
                         vals[k] *= factor
@@ -172,9 +203,12 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                         for k in range(floats):
                             vals[k] = float32(0.0)
                     else:
-                        load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c)
-                        if causal:
-                            mask_past(vals, t, lane, kept)
+                        if t < stash:
+                            fetch(saved, vals, slot + t * held)
+                        else:
+                            load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c)
+                            if causal:
+                                mask_past(vals, t, lane, kept)
                         for k in range(floats):
                             vals[k] = exp2f(vals[k] - row_m) * inv_s
                     store_tile(out, vals, base, t, lane, n_vectors, log2b, log2v)
@@ -185,12 +219,15 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
 
 
 @functools.cache
-def _backward_kernel(fmt, width, floats, lanes, warps):
+def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
     """The backward for element format `fmt` in vectors of `width`, `floats` values of y and
-    of dy per lane (a multiple of width), `lanes` lanes per row, `warps` rows per block."""
+    of dy per lane (a multiple of width), `lanes` lanes per row, `warps` rows per block. The first `stash` tiles
+    of y and dy of a row longer than one are kept in shared memory for the second pass, as the forward's."""
     vectors = floats // width
     tile = lanes * vectors
+    held = lanes * floats
     read, write = row_io(fmt, width)
+    keep, fetch = _stash_io(floats, lanes)
 
     @device_function
     def load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v):
@@ -221,6 +258,8 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(floats, float32)
         gs = cuda.local.array(floats, float32)
+        saved = cuda.shared.array(max(1, warps * stash * 2 * held), float32)
+        slot = int64(cuda.threadIdx.x // lanes) * (stash * 2 * held) + lane   # y's tile t at 2t, dy's at 2t + 1
         z = int64(cuda.blockIdx.y)
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
@@ -231,6 +270,9 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
                 lost = float32(0.0)
                 for t in range(tiles):
                     load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
+                    if t < stash and t < tiles - 1:
+                        keep(saved, ys, slot + 2 * t * held)
+                        keep(saved, gs, slot + (2 * t + 1) * held)
                     acc = float32(0.0)
                     for k in range(floats):
                         acc += ys[k] * gs[k]
@@ -239,7 +281,11 @@ def _backward_kernel(fmt, width, floats, lanes, warps):
                 if tiles > 0:
                     store_tile(dx, ys, gs, base, tiles - 1, lane, n_vectors, log2b, log2v, dot, scale)
                 for t in range(tiles - 1):
-                    load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
+                    if t < stash:
+                        fetch(saved, ys, slot + 2 * t * held)
+                        fetch(saved, gs, slot + (2 * t + 1) * held)
+                    else:
+                        load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v)
                     store_tile(dx, ys, gs, base, t, lane, n_vectors, log2b, log2v, dot, scale)
                 row_id += int64(cuda.gridDim.x) * warps
             z += int64(cuda.gridDim.y)
@@ -283,17 +329,19 @@ def _packed_tile_load(fmt, width, values, lanes):
 
 
 @functools.cache
-def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
+def _forward_packed_kernel(fmt, width, causal, values, lanes, warps, stash=0):
     """The forward (scores in log2 units, as _forward_kernel's) for 16-bit rows read in pairs and a positive
     scale, `values` elements per lane held as their words (two a register, _device.packed_io): twice the row in
     registers of the float kernel, so that rows of the layout's mean length are read once. Masked elements get
     -inf bits, which a positive scale keeps -inf; the output takes each exponential again, from words unpacked
-    with a shift the compiler cannot see (the first pass's floats are not kept)."""
+    with a shift the compiler cannot see (the first pass's floats are not kept). The first `stash` tiles of a row
+    longer than one are kept in shared memory for the second pass, as the float kernel's."""
     vectors = values // width
     count = width // 2
     held = values // 2   # words per lane
     tile = lanes * vectors
     load = _packed_tile_load(fmt, width, values, lanes)
+    keep, fetch = _stash_io(held, lanes)
     _, unpack = packed_io(fmt, width, vectors)
     _, write = row_io(fmt, width)
     pair_max, word_max = packed_max(fmt)
@@ -337,6 +385,8 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
         words = cuda.local.array(held, int32)
         tmp = cuda.local.array(count, int32)
         vec = cuda.local.array(width, float32)
+        saved = cuda.shared.array(max(1, warps * stash * lanes * held), int32)
+        slot = int64(cuda.threadIdx.x // lanes) * (stash * lanes * held) + lane
         z = int64(cuda.blockIdx.y)
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
@@ -355,6 +405,8 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                     load(x, words, tmp, base, t, lane, read_vectors, log2b, log2v, pad)
                     if causal:
                         mask_past(words, t, lane, kept)
+                    if t < stash and t < tiles - 1:
+                        keep(saved, words, slot + t * lanes * held)
                     w = words[0]
                     for q in range(1, held):
                         w = pair_max(w, words[q])
@@ -373,14 +425,18 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                         store_zeros(out, vec, base, t, lane, n_vectors, log2b, log2v)
                 else:
                     inv_s = float32(1.0) / row_s
-                    # pass 2: the last tile from registers, the others read again
+                    # pass 2: the last tile from registers, the stashed ones from shared memory, the others read
+                    # again
                     if tiles > 0:
                         store_tile(out, words, vec, base, tiles - 1, lane, n_vectors, log2b, log2v, c, row_m,
                                    inv_s, shift)
                     for t in range(tiles - 1):
-                        load(x, words, tmp, base, t, lane, read_vectors, log2b, log2v, pad)
-                        if causal:
-                            mask_past(words, t, lane, kept)
+                        if t < stash:
+                            fetch(saved, words, slot + t * lanes * held)
+                        else:
+                            load(x, words, tmp, base, t, lane, read_vectors, log2b, log2v, pad)
+                            if causal:
+                                mask_past(words, t, lane, kept)
                         store_tile(out, words, vec, base, t, lane, n_vectors, log2b, log2v, c, row_m, inv_s,
                                    shift)
                 row_id += int64(cuda.gridDim.x) * warps
@@ -459,6 +515,13 @@ def _floats(choices, row: int, lanes: int, width: int, filled: bool = False) -> 
     return next((floats for floats in rounded if floats * lanes >= row), rounded[-1])
 
 
+def _stash_tiles(longest: int, values: int, lanes: int, warps: int, size: int) -> int:
+    """Tiles of a row kept in shared memory, for rows of at most `longest` elements, `values` a lane, `size`
+    bytes held per value."""
+    tile = lanes * values
+    return max(0, min(-(-longest // tile) - 1, STASH_BYTES // (warps * tile * size)))
+
+
 def _packed(width: int, element_size: int) -> bool:
     """Whether 16-bit rows are held as their words: read in pairs (width >= 2) and PACK_16BIT."""
     return PACK_16BIT and element_size == 2 and width >= 2
@@ -502,13 +565,23 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, scale > 0, is_causal)
     lanes, warps, grid, floats, _ = shape
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
-    build = _forward_packed_kernel if _packed(width, x.element_size()) and scale > 0 else _forward_kernel
-    launch(build(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
+    longest = lut.max_blocks * lut.block
+    if _packed(width, x.element_size()) and scale > 0:
+        stash = _stash_tiles(longest, floats, lanes, warps, 2)
+        kernel_ = _forward_packed_kernel(fmt, width, bool(is_causal), floats, lanes, warps, stash)
+    else:
+        stash = _stash_tiles(longest, floats, lanes, warps, 4)
+        kernel_ = _forward_kernel(fmt, width, bool(is_causal), floats, lanes, warps, stash)
+    launch(kernel_, grid, lanes * warps,
            (*views, lut.offsets, lut.causal, batch, rows, nnz, log2b, log2v, numpy.float32(scale * LOG2E)))
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
     fmt, width, views, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
-    build = _backward_packed_kernel if _packed(width, y.element_size()) else _backward_kernel
-    launch(build(fmt, width, floats, lanes, warps), grid, lanes * warps,
+    if _packed(width, y.element_size()):
+        kernel_ = _backward_packed_kernel(fmt, width, floats, lanes, warps)
+    else:
+        kernel_ = _backward_kernel(fmt, width, floats, lanes, warps,
+                                   _stash_tiles(lut.max_blocks * lut.block, floats, lanes, warps, 8))
+    launch(kernel_, grid, lanes * warps,
            (*views, lut.offsets, *sizes, numpy.float32(scale)))
