@@ -120,6 +120,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps, stash=0):
     vectors = floats // width
     tile = lanes * vectors
     held = lanes * floats   # a tile's values, a row
+    stash_size = max(1, warps * stash * held)
     read, write = row_io(fmt, width)
     keep, fetch = _stash_io(floats, lanes)
 
@@ -158,7 +159,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps, stash=0):
     def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
-        saved = cuda.shared.array(max(1, warps * stash * held), float32)
+        saved = cuda.shared.array(stash_size, float32)
         slot = int64(cuda.threadIdx.x // lanes) * (stash * held) + lane   # the lane's first slot of the stash
         z = int64(cuda.blockIdx.y)
         while z < batch:
@@ -226,6 +227,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
     vectors = floats // width
     tile = lanes * vectors
     held = lanes * floats
+    stash_size = max(1, warps * stash * 2 * held)
     read, write = row_io(fmt, width)
     keep, fetch = _stash_io(floats, lanes)
 
@@ -258,7 +260,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(floats, float32)
         gs = cuda.local.array(floats, float32)
-        saved = cuda.shared.array(max(1, warps * stash * 2 * held), float32)
+        saved = cuda.shared.array(stash_size, float32)
         slot = int64(cuda.threadIdx.x // lanes) * (stash * 2 * held) + lane   # y's tile t at 2t, dy's at 2t + 1
         z = int64(cuda.blockIdx.y)
         while z < batch:
@@ -340,6 +342,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps, stash=0):
     count = width // 2
     held = values // 2   # words per lane
     tile = lanes * vectors
+    stash_size = max(1, warps * stash * lanes * held)
     load = _packed_tile_load(fmt, width, values, lanes)
     keep, fetch = _stash_io(held, lanes)
     _, unpack = packed_io(fmt, width, vectors)
@@ -385,7 +388,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps, stash=0):
         words = cuda.local.array(held, int32)
         tmp = cuda.local.array(count, int32)
         vec = cuda.local.array(width, float32)
-        saved = cuda.shared.array(max(1, warps * stash * lanes * held), int32)
+        saved = cuda.shared.array(stash_size, int32)
         slot = int64(cuda.threadIdx.x // lanes) * (stash * lanes * held) + lane
         z = int64(cuda.blockIdx.y)
         while z < batch:
