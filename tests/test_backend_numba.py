@@ -425,15 +425,15 @@ def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
     assert_close(dx, expected, dtype, "backward", magnitude)
 
 
-def _spy_on(monkeypatch, module, name, built):
-    """Replace module.name (a kernel factory) with one that records its last argument (the stash) in `built`."""
-    original = getattr(module, name)
+def _spy_on_launches(monkeypatch, module, launched):
+    """Record (the last kernel argument, the bytes of dynamic shared memory) of each launch of `module`."""
+    original = module.launch
 
-    def spy(*args):
-        built.append(args[-1])
-        return original(*args)
+    def spy(kernel_, grid, threads, args, shared=0):
+        launched.append((int(args[-1]), shared))
+        return original(kernel_, grid, threads, args, shared=shared)
 
-    monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(module, "launch", spy)
 
 
 @needs_backend
@@ -443,7 +443,7 @@ def _spy_on(monkeypatch, module, name, built):
 def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_causal, kept):
     """Rows of several tiles: the second pass takes one, or all but the last, of the longest row's tiles from
     shared memory, where the first pass kept them, and reads the others again: the forward (floats, or 16-bit
-    words) and the float backward (y and dy)."""
+    words; the count passed at launch) and the float backward (y and dy; the count compiled in)."""
     from multisoft._blocksparse import lookup_table
     from multisoft_numba import blocksparse
     for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
@@ -473,10 +473,10 @@ def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_cau
 
     stash_bytes, stash = stash_for(forward_values, 2 if packed else 4)
     monkeypatch.setattr(blocksparse, "STASH_BYTES", stash_bytes)
-    built = []
-    _spy_on(monkeypatch, blocksparse, "_forward_packed_kernel" if packed else "_forward_kernel", built)
+    launched = []
+    _spy_on_launches(monkeypatch, blocksparse, launched)
     blocksparse.forward(x, out, lut, scale, is_causal)
-    assert built == [stash]
+    assert launched == [(stash, stash_bytes)]
     assert_close(out, reference_blocksparse(x, layout, block, scale, is_causal), dtype, "forward")
     if packed:
         return
@@ -484,8 +484,10 @@ def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_cau
     dx = torch.empty_like(out)
     stash_bytes, stash = stash_for(backward_values, 8)
     monkeypatch.setattr(blocksparse, "STASH_BYTES", stash_bytes)
+    monkeypatch.setattr(blocksparse, "BACKWARD_STASH_TILES", stash)
     built = []
-    _spy_on(monkeypatch, blocksparse, "_backward_kernel", built)
+    original = blocksparse._backward_kernel
+    monkeypatch.setattr(blocksparse, "_backward_kernel", lambda *args: built.append(args[-1]) or original(*args))
     blocksparse.backward(out, dy, dx, lut, scale)
     assert built == [stash]
     expected, magnitude = reference_blocksparse_backward(out, dy, layout, block, scale)

@@ -163,13 +163,16 @@ def _pack(args) -> list:
     return params
 
 
-def launch(kernel_, grid, threads: int, args) -> None:
-    """kernel_[grid, threads] on torch's current stream of the first tensor's device.
+def launch(kernel_, grid, threads: int, args, shared: int = 0) -> None:
+    """kernel_[grid, threads] on torch's current stream of the first tensor's device, with `shared` bytes of
+    dynamic shared memory a block (at most 48 KiB: more needs an opt-in that this does not make).
 
     args: contiguous tensors (bfloat16 goes as int16 bits), bools, numpy.float32, numpy.int64.
     """
+    if not 0 <= shared <= 48 * 1024:
+        raise ValueError(f"shared: {shared} bytes of dynamic shared memory, not 0 to 48 KiB")
     if SIMULATOR:
-        kernel_[grid, threads, 0](*[as_array(a) if isinstance(a, torch.Tensor) else a for a in args])
+        kernel_[grid, threads, 0, shared](*[as_array(a) if isinstance(a, torch.Tensor) else a for a in args])
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -179,7 +182,7 @@ def launch(kernel_, grid, threads: int, args) -> None:
     key = (id(kernel_), index, _signature(args)) if fast else None
     compiled = _compiled.get(key) if fast else None
     if compiled is not None:
-        config = LaunchConfig(grid=grid, block=threads, shmem_size=0)
+        config = LaunchConfig(grid=grid, block=threads, shmem_size=shared)
         params = _pack(args)
         if _context_is_current(index):
             cuda_core_launch(core_stream, config, compiled, *params)
@@ -189,7 +192,7 @@ def launch(kernel_, grid, threads: int, args) -> None:
         return
     with cuda.gpus[index]:
         arrays = [as_array(a) if isinstance(a, torch.Tensor) else a for a in args]
-        kernel_[grid, threads, stream](*arrays)
+        kernel_[grid, threads, stream, shared](*arrays)
         if fast:
             overload = kernel_.overloads.get(tuple(kernel_.typeof_pyval(a) for a in arrays))
             if overload is None:

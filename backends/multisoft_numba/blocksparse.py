@@ -21,6 +21,7 @@ the 16-bit one reads no vector wholly past the prefix).
 """
 
 import functools
+import math
 
 import numpy
 from numba import cuda, float32, int32, int64, uint64
@@ -47,9 +48,11 @@ BACKWARD_FLOATS = {4: (16, 32), 2: (16,)}
 PACK_16BIT = True
 PACKED_VALUES = {"forward": (32, 48, 64), "backward": (32, 48, 64)}
 # The forwards and the float backward keep the first tiles of rows longer than one tile in shared memory for their
-# second pass, where they read them again: as many as the layout's longest row has but its last, in at most
-# STASH_BYTES a block.
+# second pass, where they read them again: as many as the layout's STASH_ROW ("longest" or "mean") has but its
+# last, in at most STASH_BYTES a block (dynamic shared memory: at most 48 KiB without an opt-in).
 STASH_BYTES = 48 * 1024
+STASH_ROW = "longest"
+BACKWARD_STASH_TILES = 1   # the float backward's most, fixed when compiled (registers: see _backward_kernel)
 WARPS = 4              # rows (warps) per thread block on the GPU
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
@@ -112,15 +115,14 @@ def _stash_io(count, lanes):
 
 
 @functools.cache
-def _forward_kernel(fmt, width, causal, floats, lanes, warps, stash=0):
+def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     """The forward for element format `fmt` in vectors of `width`, `floats` values per lane
     (a multiple of width), `lanes` lanes per row, `warps` rows per block; scores in log2 units (c * x, c =
     scale * log2(e)), each term one ex2. The first `stash` tiles of a row longer than one are kept in shared
-    memory by the first pass for the second, which reads only the others again."""
+    memory (dynamic, `stash` tiles a row) by the first pass for the second, which reads only the others again."""
     vectors = floats // width
     tile = lanes * vectors
     held = lanes * floats   # a tile's values, a row
-    stash_size = max(1, warps * stash * held)
     read, write = row_io(fmt, width)
     keep, fetch = _stash_io(floats, lanes)
 
@@ -156,10 +158,10 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps, stash=0):
                 write(out, _vector_at(base, v, log2b, log2v), vals, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c):
+    def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c, stash):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
-        saved = cuda.shared.array(stash_size, float32)
+        saved = cuda.shared.array(0, float32)
         slot = int64(cuda.threadIdx.x // lanes) * (stash * held) + lane   # the lane's first slot of the stash
         z = int64(cuda.blockIdx.y)
         while z < batch:
@@ -223,7 +225,9 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps, stash=0):
 def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
     """The backward for element format `fmt` in vectors of `width`, `floats` values of y and
     of dy per lane (a multiple of width), `lanes` lanes per row, `warps` rows per block. The first `stash` tiles
-    of y and dy of a row longer than one are kept in shared memory for the second pass, as the forward's."""
+    of y and dy of a row longer than one are kept in shared memory (dynamic) for the second pass, as the
+    forward's, but with `stash` and the shared memory fixed at compile time: a run-time count, or dynamic shared
+    memory, took the float32 kernel of 32 values a lane from 96 registers to 128 (sm_90)."""
     vectors = floats // width
     tile = lanes * vectors
     held = lanes * floats
@@ -331,7 +335,7 @@ def _packed_tile_load(fmt, width, values, lanes):
 
 
 @functools.cache
-def _forward_packed_kernel(fmt, width, causal, values, lanes, warps, stash=0):
+def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
     """The forward (scores in log2 units, as _forward_kernel's) for 16-bit rows read in pairs and a positive
     scale, `values` elements per lane held as their words (two a register, _device.packed_io): twice the row in
     registers of the float kernel, so that rows of the layout's mean length are read once. Masked elements get
@@ -342,7 +346,6 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps, stash=0):
     count = width // 2
     held = values // 2   # words per lane
     tile = lanes * vectors
-    stash_size = max(1, warps * stash * lanes * held)
     load = _packed_tile_load(fmt, width, values, lanes)
     keep, fetch = _stash_io(held, lanes)
     _, unpack = packed_io(fmt, width, vectors)
@@ -382,13 +385,13 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps, stash=0):
                 write(out, _vector_at(base, v, log2b, log2v), vec, 0)
 
     @_jit(lanes * warps)
-    def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c):
+    def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c, stash):
         shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
         words = cuda.local.array(held, int32)
         tmp = cuda.local.array(count, int32)
         vec = cuda.local.array(width, float32)
-        saved = cuda.shared.array(stash_size, int32)
+        saved = cuda.shared.array(0, int32)
         slot = int64(cuda.threadIdx.x // lanes) * (stash * lanes * held) + lane
         z = int64(cuda.blockIdx.y)
         while z < batch:
@@ -518,11 +521,11 @@ def _floats(choices, row: int, lanes: int, width: int, filled: bool = False) -> 
     return next((floats for floats in rounded if floats * lanes >= row), rounded[-1])
 
 
-def _stash_tiles(longest: int, values: int, lanes: int, warps: int, size: int) -> int:
-    """Tiles of a row kept in shared memory, for rows of at most `longest` elements, `values` a lane, `size`
-    bytes held per value."""
+def _stash_tiles(lut, values: int, lanes: int, warps: int, size: int) -> int:
+    """Tiles a row kept in shared memory for the layout of `lut`, `values` a lane, `size` bytes held per value."""
+    blocks = lut.max_blocks if STASH_ROW == "longest" else lut.mean_blocks
     tile = lanes * values
-    return max(0, min(-(-longest // tile) - 1, STASH_BYTES // (warps * tile * size)))
+    return max(0, min(math.ceil(blocks * lut.block / tile) - 1, STASH_BYTES // (warps * tile * size)))
 
 
 def _packed(width: int, element_size: int) -> bool:
@@ -568,23 +571,20 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, scale > 0, is_causal)
     lanes, warps, grid, floats, _ = shape
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
-    longest = lut.max_blocks * lut.block
-    if _packed(width, x.element_size()) and scale > 0:
-        stash = _stash_tiles(longest, floats, lanes, warps, 2)
-        kernel_ = _forward_packed_kernel(fmt, width, bool(is_causal), floats, lanes, warps, stash)
-    else:
-        stash = _stash_tiles(longest, floats, lanes, warps, 4)
-        kernel_ = _forward_kernel(fmt, width, bool(is_causal), floats, lanes, warps, stash)
-    launch(kernel_, grid, lanes * warps,
-           (*views, lut.offsets, lut.causal, batch, rows, nnz, log2b, log2v, numpy.float32(scale * LOG2E)))
+    packed = _packed(width, x.element_size()) and scale > 0
+    build = _forward_packed_kernel if packed else _forward_kernel
+    size = 2 if packed else 4   # bytes held per value
+    stash = _stash_tiles(lut, floats, lanes, warps, size)
+    launch(build(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
+           (*views, lut.offsets, lut.causal, batch, rows, nnz, log2b, log2v, numpy.float32(scale * LOG2E),
+            numpy.int64(stash)), shared=stash * warps * lanes * floats * size)
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
     fmt, width, views, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
+    args = (*views, lut.offsets, *sizes, numpy.float32(scale))
     if _packed(width, y.element_size()):
-        kernel_ = _backward_packed_kernel(fmt, width, floats, lanes, warps)
-    else:
-        kernel_ = _backward_kernel(fmt, width, floats, lanes, warps,
-                                   _stash_tiles(lut.max_blocks * lut.block, floats, lanes, warps, 8))
-    launch(kernel_, grid, lanes * warps,
-           (*views, lut.offsets, *sizes, numpy.float32(scale)))
+        launch(_backward_packed_kernel(fmt, width, floats, lanes, warps), grid, lanes * warps, args)
+        return
+    stash = min(BACKWARD_STASH_TILES, _stash_tiles(lut, floats, lanes, warps, 8))   # y and dy
+    launch(_backward_kernel(fmt, width, floats, lanes, warps, stash), grid, lanes * warps, args)

@@ -79,9 +79,6 @@ def configurations():
     return found
 
 
-LONGEST = 2816   # elements in the longest row of the bench's 50 % block-sparse layout
-
-
 def blocksparse_configurations():
     """The block-sparse kernels at the launch shape of the bench layouts (rows of about 1024 elements)."""
     from numba import types
@@ -102,15 +99,11 @@ def blocksparse_configurations():
         tag = "-words" if packed else ""
         for causal in (False, True):
             forward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width, causal=causal)[3]
-            # no stash, and the stash of the 50 % layouts' longest row
-            for stash in sorted({0, blocksparse._stash_tiles(LONGEST, forward, lanes, warps, 2 if packed else 4)}):
-                found.append((f"bs-fwd-{name}{'-causal' if causal else ''}{tag}-{forward}"
-                              f"{f'-stash{stash}' if stash else ''}",
-                              build_forward(fmt, width, causal, forward, lanes, warps, stash),
-                              (arr, arr, table, table, *sizes[:3], types.int64, types.int64, types.float32),
-                              lanes * warps))
-        stashes = {0} if packed else {0, blocksparse._stash_tiles(LONGEST, backward, lanes, warps, 8)}
-        for stash in sorted(stashes):
+            found.append((f"bs-fwd-{name}{'-causal' if causal else ''}{tag}-{forward}",
+                          build_forward(fmt, width, causal, forward, lanes, warps),
+                          (arr, arr, table, table, *sizes[:3], types.int64, types.int64, types.float32, types.int64),
+                          lanes * warps))
+        for stash in (0,) if packed else (0, blocksparse.BACKWARD_STASH_TILES):
             found.append((f"bs-bwd-{name}{tag}-{backward}{f'-stash{stash}' if stash else ''}",
                           build_backward(fmt, width, backward, lanes, warps, *([stash] if stash else [])),
                           (arr, arr, arr, table, *sizes, types.int64, types.float32), lanes * warps))
