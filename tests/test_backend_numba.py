@@ -425,6 +425,26 @@ def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
     assert_close(dx, expected, dtype, "backward", magnitude)
 
 
+@needs_numba
+def test_blocksparse_stash_holds_the_row_it_is_sized_for(monkeypatch):
+    """Tiles kept: all but the last of the layout's mean row (or longest, by STASH_ROW), at most STASH_BYTES a
+    block; none for rows of one tile."""
+    from types import SimpleNamespace
+
+    from multisoft_numba import blocksparse
+    lut = SimpleNamespace(block=64, mean_blocks=2067 / 64, max_blocks=44)   # the bench's 50 % layout
+    monkeypatch.setattr(blocksparse, "STASH_BYTES", 48 * 1024)
+    monkeypatch.setattr(blocksparse, "STASH_ROW", "mean")
+    assert blocksparse._stash_tiles(lut, 16, 32, 4, 4) == 4      # rows of 2067 span 5 tiles of 512
+    assert blocksparse._stash_tiles(lut, 16, 32, 4, 8) == 3      # 3 tiles of y and dy fill 48 KiB
+    assert blocksparse._stash_tiles(lut, 64, 32, 4, 4) == 1      # 2 tiles of 2048
+    assert blocksparse._stash_tiles(SimpleNamespace(block=64, mean_blocks=7.5, max_blocks=16), 16, 32, 4, 4) == 0
+    monkeypatch.setattr(blocksparse, "STASH_ROW", "longest")
+    assert blocksparse._stash_tiles(lut, 16, 32, 4, 4) == 5      # rows of 2816 span 6 tiles
+    monkeypatch.setattr(blocksparse, "STASH_BYTES", 24 * 1024)
+    assert blocksparse._stash_tiles(lut, 16, 32, 4, 4) == 3
+
+
 def _spy_on_launches(monkeypatch, module, launched):
     """Record (the last kernel argument, the bytes of dynamic shared memory) of each launch of `module`."""
     original = module.launch
@@ -472,6 +492,7 @@ def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_cau
         return stash * warps * lanes * values * size, stash
 
     stash_bytes, stash = stash_for(forward_values, 2 if packed else 4)
+    monkeypatch.setattr(blocksparse, "STASH_ROW", "longest")
     monkeypatch.setattr(blocksparse, "STASH_BYTES", stash_bytes)
     launched = []
     _spy_on_launches(monkeypatch, blocksparse, launched)

@@ -49,10 +49,15 @@ PACK_16BIT = True
 PACKED_VALUES = {"forward": (32, 48, 64), "backward": (32, 48, 64)}
 # The forwards and the float backward keep the first tiles of rows longer than one tile in shared memory for their
 # second pass, where they read them again: as many as the layout's STASH_ROW ("longest" or "mean") has but its
-# last, in at most STASH_BYTES a block (dynamic shared memory: at most 48 KiB without an opt-in).
+# last, in at most STASH_BYTES a block (dynamic shared memory: at most 48 KiB without an opt-in), the float
+# backward at most BACKWARD_STASH_TILES (compiled in: see _backward_kernel). Measured on an H200
+# (tuning/numba-blocksparse-stash-round2.txt), float32 against reading the tiles again: forward 0.70-0.86 ->
+# 0.83-0.93 (the mean row; the longest row's stash lost on the causal layouts, 0.78-0.80 -> 0.72-0.77: fewer
+# blocks a multiprocessor), backward 0.71-0.93 -> 0.83-0.98 (b16 25 % 0.96 -> 0.94); bf16 level but at 51 %
+# causal (0.78 -> 0.83).
 STASH_BYTES = 48 * 1024
-STASH_ROW = "longest"
-BACKWARD_STASH_TILES = 1   # the float backward's most, fixed when compiled (registers: see _backward_kernel)
+STASH_ROW = "mean"
+BACKWARD_STASH_TILES = 1
 WARPS = 4              # rows (warps) per thread block on the GPU
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
