@@ -367,10 +367,10 @@ def test_packed_16bit_rows_on_every_path_and_cache(dtype):
 def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
     """On a GPU, the first choice whose tile (32 lanes) holds the layout's mean row: float32 backward rows of 1040
     elements on average take 32 values per lane (16 hold 512), rows of 467 take 16, the forward 16. 16-bit rows
-    read in pairs are held as words: the forward 48 values for rows of 1040 (32 hold 1024), 32 for 467, 64 for
-    rows longer than any choice holds, 32 when causal; the backward the most whose tile the mean row fills (32
-    for 1040, 64 for 2100, 32 for 467). The forward with a scale that is not positive, and rows read one element at
-    a time, take the floats."""
+    read in pairs are held as words: the forward 48 values for rows of 1040 (32 hold 1024), 16 for 467, 64 for
+    rows longer than any choice holds; when causal 16 for 467, else 32; the backward the most whose tile the mean
+    row fills (32 for 1040, 64 for 2100, 16 for 467). The forward with a scale that is not positive, and rows read
+    one element at a time, take the floats."""
     from multisoft_numba import blocksparse
 
     monkeypatch.setattr(blocksparse, "SIMULATOR", False)
@@ -380,7 +380,9 @@ def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
     assert shape(1, 4096, 1040.0, 8, 2)[3:] == (48, 32)
     assert shape(1, 4096, 1040.0, 8, 2, causal=True)[3:] == (32, 32)
     assert shape(1, 4096, 2100.0, 8, 2)[3:] == (64, 64)
-    assert shape(1, 4096, 467.0, 8, 2)[3:] == (32, 32)
+    assert shape(1, 4096, 467.0, 8, 2)[3:] == (16, 16)
+    assert shape(1, 4096, 467.0, 8, 2, causal=True)[3:] == (16, 16)
+    assert shape(1, 4096, 2100.0, 8, 2, causal=True)[3:] == (32, 64)
     assert shape(1, 4096, 1040.0, 8, 2, positive_scale=False)[3:] == (16, 32)
     assert shape(1, 4096, 1040.0, 1, 2)[3:] == (16, 16)
     monkeypatch.setattr(blocksparse, "PACK_16BIT", False)
@@ -468,7 +470,8 @@ def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_cau
     from multisoft_numba import blocksparse
     for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
                         ("FORWARD_FLOATS", {4: (2,), 2: (2,)}), ("BACKWARD_FLOATS", {4: (2,), 2: (2,)}),
-                        ("PACKED_VALUES", {"forward": (4,), "backward": (4,)}), ("MAX_GRID", 3), ("MAX_GRID_Y", 1)):
+                        ("PACKED_VALUES", {"forward": (4,), "causal": (4,), "backward": (4,)}),
+                        ("MAX_GRID", 3), ("MAX_GRID_Y", 1)):
         monkeypatch.setattr(blocksparse, name, value)
     block, scale = 16, 0.7
     columns = 64 if ON_GPU else 12    # rows of at least 3 tiles: 32 lanes on a GPU, 4 under the simulator

@@ -39,14 +39,16 @@ from ._intrinsics import LOG2E, vector_access
 FORWARD_FLOATS = {4: (16,), 2: (16,)}
 BACKWARD_FLOATS = {4: (16, 32), 2: (16,)}
 # 16-bit rows read in pairs are held as their words (two values a register, _device.packed_io), forward (positive
-# scale) and backward, with these values per lane: the forward's as above (its causal kernel the fewest), the
+# scale) and backward, with these values per lane: the forward's as above (its causal kernel from "causal"), the
 # backward's the most whose tile the mean row fills (else the fewest). Measured on an H200
 # (tuning/numba-blocksparse-words-round1.txt), bf16 against floats: backward 0.64-0.81 -> 0.75-0.93, forward
 # 0.60-0.68 -> 0.75-0.83 (causal 0.51-0.57 -> 0.56-0.72); 32 values against 48 on the causal layouts (forward
 # 0.46-0.63 -> 0.56-0.72, backward 0.70-0.86 -> 0.75-0.89), 64 against 32 where the mean row is 2048 (backward
-# 0.72-0.78 -> 0.87-0.90).
+# 0.72-0.78 -> 0.87-0.90); 16 against 32 where the mean row is 460 (tuning/numba-blocksparse-short-rows-round1.txt:
+# forward 0.58 -> 0.65, causal 0.50 -> 0.53, backward 0.80-0.82 -> 0.84-0.87), but 32 on the other causal layouts
+# (16 lost 0.01-0.06).
 PACK_16BIT = True
-PACKED_VALUES = {"forward": (32, 48, 64), "backward": (32, 48, 64)}
+PACKED_VALUES = {"forward": (16, 32, 48, 64), "causal": (16, 32), "backward": (16, 32, 48, 64)}
 # The forwards and the float backward keep the first tiles of rows longer than one tile in shared memory for their
 # second pass, where they read them again: as many as the layout's STASH_ROW ("longest" or "mean") has but its
 # last, in at most STASH_BYTES a block (dynamic shared memory: at most 48 KiB without an opt-in), the float
@@ -553,7 +555,7 @@ def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: i
     if not positive_scale:
         forward = _floats(FORWARD_FLOATS[element_size], row, 32, width)
     elif causal:
-        forward = _floats(PACKED_VALUES["forward"], 0, 32, width)
+        forward = _floats(PACKED_VALUES["causal"], row, 32, width)
     else:
         forward = _floats(PACKED_VALUES["forward"], row, 32, width)
     return 32, WARPS, grid, forward, _floats(PACKED_VALUES["backward"], row, 32, width, filled=True)
