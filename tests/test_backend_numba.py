@@ -277,6 +277,7 @@ def test_rows_too_long_for_the_split_choices_take_wide_parts():
     """Rows of 1048576: too many parts for the regular split choices (on a GPU of 132 multiprocessors or fewer),
     so SPLIT_WIDE_THREADS-thread parts, which are checked against float64 by the agreement harness."""
     from multisoft_numba import softmax
+    from multisoft_numba._glue import device_index
     device = torch.device(DEVICE)
     half_sms = torch.cuda.get_device_properties(device).multi_processor_count // 2
     n = 1 << 20
@@ -287,7 +288,7 @@ def test_rows_too_long_for_the_split_choices_take_wide_parts():
             pytest.skip("this GPU fits the regular parts")
         plan = softmax._plan(n, caches, splits, held, device)
         wide_parts = -(-n // (softmax.SPLIT_WIDE_THREADS * splits[-1][1]))
-        expected = "split" if wide_parts <= softmax._max_parts(device.index or 0, held) else "looping"
+        expected = "split" if wide_parts <= softmax._max_parts(device_index(device), held) else "looping"
         assert plan.path == expected, plan
         if expected == "split":
             assert (plan.threads, plan.parts) == (softmax.SPLIT_WIDE_THREADS, wide_parts), plan

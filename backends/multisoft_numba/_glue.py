@@ -163,6 +163,11 @@ def _pack(args) -> list:
     return params
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA device (torch's current device for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def launch(kernel_, grid, threads: int, args, shared: int = 0) -> None:
     """kernel_[grid, threads] on torch's current stream of the first tensor's device, with `shared` bytes of
     dynamic shared memory a block (at most 48 KiB: more needs an opt-in that this does not make).
@@ -175,7 +180,7 @@ def launch(kernel_, grid, threads: int, args, shared: int = 0) -> None:
         kernel_[grid, threads, 0, shared](*[as_array(a) if isinstance(a, torch.Tensor) else a for a in args])
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     stream, core_stream = _current_streams(index)
     fast = FAST_LAUNCH and index == torch.cuda.current_device() and all(
         a.is_contiguous() for a in args if isinstance(a, torch.Tensor))

@@ -39,7 +39,8 @@ from ._device import (FP32, HALF_SHIFT, NEG_INF, block_max, block_online_merge, 
                       kahan_add, logf, nan_max, online_add_all, online_merge, packed_io, packed_max,
                       packed_pad, row_groups, row_io, share_shift, strided_io, warp_online_merge, warp_sum,
                       word_layout)
-from ._glue import MAX_THREADS, SIMULATOR, device_function, kernel, launch, next_pow2, threads_for, vector_views
+from ._glue import (MAX_THREADS, SIMULATOR, device_function, device_index, kernel, launch, next_pow2, threads_for,
+                    vector_views)
 
 # Measured on the H200 (benchmarks/tune/numba.sh); keyed by the element size in bytes where
 # float32 and 16-bit rows differ.
@@ -622,14 +623,14 @@ def _backward_split_packed(fmt, width, log, cache, bound):
 
 
 @functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _max_parts(device_index: int, held: int) -> int:
-    """Most parts a row may be split into on this GPU: few enough that they are always
+def _max_parts(index: int, held: int) -> int:
+    """Most parts a row may be split into on GPU `index`: few enough that they are always
     resident together (half the SMs, one block each), and at most MAX_PARTS[held]."""
-    return min(MAX_PARTS[held], _multiprocessors(device_index) // 2)
+    return min(MAX_PARTS[held], _multiprocessors(index) // 2)
 
 
 class Plan(NamedTuple):
@@ -660,7 +661,7 @@ def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0
         if n <= threads * cache:
             return Plan("cached", threads, 1, cache)
     if not SIMULATOR and device is not None and device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device_index(device)
 
         def fitting(choices):
             plans = [Plan("split", threads, -(-n // (threads * cache)), cache) for threads, cache in choices]
@@ -686,7 +687,7 @@ def _persistent_blocks(rows: int, device) -> int:
     """Blocks of a persistent launch: one a multiprocessor (the simulator: two, each walking several rows)."""
     if SIMULATOR or device.type != "cuda":
         return min(rows, 2)
-    return min(rows, _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()))
+    return min(rows, _multiprocessors(device_index(device)))
 
 
 def _cached_blocks(rows: int, threads: int, group: int) -> int:
