@@ -10,8 +10,9 @@ alignment allows, see _glue.vector_views), through 1-D views indexed with unsign
 integers. Vector v of a row lies in block v // V at vector v % V of its row (V
 vectors per block row); lane `lane` holds the vectors t * TILE + k * 32 + lane
 (k < vectors per lane) of tile t, so each load of the warp reads consecutive
-vectors. A row of one tile is read once and written from registers; a longer row
-reads its tiles again (the last one excepted).
+vectors. A row of one tile is read once and written from registers; a longer row keeps
+its first tiles in shared memory for the second pass (STASH_BYTES) and reads the others
+again (the last one excepted).
 
 Causal masking keeps a prefix of each row: the look-up table lists a block-row's blocks
 by ascending column, so the elements kept are those of the blocks left of the diagonal,
