@@ -517,3 +517,13 @@ def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_cau
     assert built == [stash]
     expected, magnitude = reference_blocksparse_backward(out, dy, layout, block, scale)
     assert_close(dx, expected, dtype, "backward", magnitude)
+
+
+@needs_numba
+def test_launch_refuses_dynamic_shared_memory_past_48_kib():
+    """More than 48 KiB of dynamic shared memory a block needs an opt-in that launch does not make: a clear error
+    before anything is launched."""
+    from multisoft_numba._glue import launch
+    for shared in (-1, 48 * 1024 + 1):
+        with pytest.raises(ValueError, match="shared"):
+            launch(None, 1, 32, (), shared=shared)
