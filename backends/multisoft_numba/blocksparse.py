@@ -233,9 +233,9 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
 def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
     """The backward for element format `fmt` in vectors of `width`, `floats` values of y and
     of dy per lane (a multiple of width), `lanes` lanes per row, `warps` rows per block. The first `stash` tiles
-    of y and dy of a row longer than one are kept in shared memory (dynamic) for the second pass, as the
-    forward's, but with `stash` and the shared memory fixed at compile time: a run-time count, or dynamic shared
-    memory, took the float32 kernel of 32 values a lane from 96 registers to 128 (sm_90)."""
+    of y and dy of a row longer than one are kept in shared memory for the second pass, as the forward's, but
+    with `stash` and the shared array fixed at compile time: a run-time count, or dynamic shared memory, took the
+    float32 kernel of 32 values a lane from 96 registers to 128 (sm_90)."""
     vectors = floats // width
     tile = lanes * vectors
     held = lanes * floats
