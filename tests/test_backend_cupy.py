@@ -566,14 +566,17 @@ def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("step_blocks", [1, 32])
 @pytest.mark.parametrize("cap", _catalog.BLOCKSPARSE_STAGED_CAPS)
-def test_blocksparse_every_staged_buffer(cap, dtype, monkeypatch):
+def test_blocksparse_every_staged_buffer(cap, step_blocks, dtype, monkeypatch):
     """The staged forward with each compiled shared-memory buffer, on rows of one to several parts (rows of up to
     2560 elements; the smallest buffer holds 256 float32 or 512 16-bit ones), with and without the causal mask (a
-    row with no kept element among them), with a negative and a zero scale; the backward of its output."""
+    row with no kept element among them), with a negative and a zero scale, a warp a row or several rows a warp
+    (2 or 4 lanes a row: the rows of a warp differ in length where causal); the backward of its output."""
     _, _, blocksparse = _kernels()
     smallest = _catalog.BLOCKSPARSE_STAGED_CAPS[0] * 8  # 16-bit elements the smallest buffer holds
     monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_CAPS", (cap,))
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_STEP_BLOCKS", step_blocks)
     g = torch.Generator().manual_seed(cap)
     layout = random_layout(2, 6, 160, g)
     layout[1, 5, :5] = 0
@@ -598,18 +601,36 @@ def test_blocksparse_forward_stages_rows_where_it_measured_faster():
     staged in parts)."""
     staged = _catalog.blocksparse_staged_config
     caps = _catalog.BLOCKSPARSE_STAGED_CAPS
-    assert staged(1024, 1200, 2, 90).cap == 256  # 1200 16-bit elements: 150 vectors
-    assert staged(1024, 2080, 2, 90).cap == 256  # 1.25 x 1024 elements, not the longest row's 2080
-    assert staged(1024, 2080, 2, 80).cap == 256
-    assert staged(640, 672, 2, 90).cap == 128  # the longest row: 84 vectors
-    assert staged(640, 672, 4, 90).cap == 256  # float32: 168 vectors
-    assert staged(2048, 2300, 4, 90).cap == 1024  # 575 float32 vectors
-    assert staged(4096, 16384, 2, 90).cap == caps[-1]  # 5120 elements: the largest buffer, rows in parts
-    assert staged(_catalog.BLOCKSPARSE_STAGED_FROM - 1, 1024, 2, 90) is None  # short rows: registers
-    assert staged(1024, 1200, 2, 75) is None  # no cp.async before sm_80
-    cfg = staged(1024, 1200, 2, 90)   # a warp a row: rows / warps blocks, rounded up, within the grid limit
-    assert cfg.grid(4 * cfg.warps) == 4 and cfg.grid(4 * cfg.warps + 1) == 5
+    assert staged(1024, 1200, 2, 90, 64).cap == 256  # 1200 16-bit elements: 150 vectors
+    assert staged(1024, 2080, 2, 90, 64).cap == 256  # 1.25 x 1024 elements, not the longest row's 2080
+    assert staged(1024, 2080, 2, 80, 64).cap == 256
+    assert staged(640, 672, 2, 90, 64).cap == 128  # the longest row: 84 vectors
+    assert staged(640, 672, 4, 90, 64).cap == 256  # float32: 168 vectors
+    assert staged(2048, 2300, 4, 90, 64).cap == 1024  # 575 float32 vectors
+    assert staged(4096, 16384, 2, 90, 64).cap == caps[-1]  # 5120 elements: the largest buffer, rows in parts
+    assert staged(_catalog.BLOCKSPARSE_STAGED_FROM - 1, 1024, 2, 90, 64) is None  # short rows: registers
+    assert staged(1024, 1200, 2, 75, 64) is None  # no cp.async before sm_80
+    cfg = staged(1024, 1200, 2, 90, 64)   # rows / (rows a block) blocks, rounded up, within the grid limit
+    assert cfg.grid(4 * cfg.rows) == 4 and cfg.grid(4 * cfg.rows + 1) == 5
     assert cfg.grid(1 << 40) == _catalog.MAX_GRID
+
+
+@pytest.mark.parametrize("step_blocks", [1, 2, 32])
+def test_blocksparse_staged_lanes_per_row(step_blocks, monkeypatch):
+    """Lanes per row read BLOCKSPARSE_STAGED_STEP_BLOCKS blocks' pieces of a row a step (B / VEC vectors each), at
+    most 32 and at least 32 / B, so that a warp's rows lie in one block-row; a buffer per row, padded where fewer
+    than 8 lanes would read the same banks, and shared memory for all of a block's rows."""
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_STEP_BLOCKS", step_blocks)
+    for block in (16, 32, 64, 128):
+        for elem in (2, 4):
+            lanes = _catalog.blocksparse_staged_lanes(block, elem)
+            assert lanes == min(32, step_blocks * block * elem // 16)
+            assert 32 % lanes == 0 and block % (32 // lanes) == 0
+            cfg = _catalog.blocksparse_staged_config(1024, 1200, elem, 90, block)
+            assert cfg.lanes == lanes and cfg.rows == cfg.warps * 32 // lanes
+            assert cfg.row_stride == cfg.cap + (lanes if lanes < 8 else 0)
+            assert cfg.shared_bytes == cfg.rows * cfg.row_stride * 16
+    assert 32 // _catalog.blocksparse_staged_lanes(4, 4) <= 4  # no more rows a warp than a block-row has
 
 
 @gpu

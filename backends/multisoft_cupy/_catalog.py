@@ -78,21 +78,34 @@ BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4
 
 
 class BlockSparseStaged(NamedTuple):
-    """The staged forward: WARPS rows per block (a warp each), each staged CAP 16-byte vectors at a time; UNROLL
-    vectors a lane works on at once; MIN_BLOCKS resident blocks per multiprocessor (0: the default)."""
+    """The staged forward: WARPS warps per block, LANES lanes per row (32 / LANES rows a warp), each row staged CAP
+    16-byte vectors at a time; UNROLL vectors a lane works on at once; MIN_BLOCKS resident blocks per multiprocessor
+    (0: the default)."""
 
     warps: int
     cap: int
     unroll: int = 1
     min_blocks: int = 0
+    lanes: int = 32
+
+    @property
+    def row_stride(self) -> int:
+        """16-byte vectors between two rows' buffers: CAP, and LANES more where fewer than 8 lanes a row (one
+        shared-memory wavefront of 16-byte loads) would otherwise read the same banks in every row."""
+        return self.cap + (self.lanes if self.lanes < 8 else 0)
+
+    @property
+    def rows(self) -> int:
+        """Rows a block works on at once."""
+        return self.warps * 32 // self.lanes
 
     @property
     def shared_bytes(self) -> int:
-        return self.warps * self.cap * 16
+        return self.rows * self.row_stride * 16
 
     def grid(self, rows: int) -> int:
-        """Blocks: a warp a row, within the grid limit (beyond it the warps walk rows)."""
-        return min(-(-rows // self.warps), MAX_GRID)
+        """Blocks: one per `rows` rows, within the grid limit (beyond it the blocks walk rows)."""
+        return min(-(-rows // self.rows), MAX_GRID)
 
 
 # The block-sparse forward stages rows in shared memory (bs_fwd_staged) where the layout's mean row is
@@ -110,6 +123,7 @@ BLOCKSPARSE_STAGED_WARPS = 2
 BLOCKSPARSE_STAGED_CAPS = (64, 128, 256, 512, 1024)
 BLOCKSPARSE_STAGED_UNROLL = 1
 BLOCKSPARSE_STAGED_MIN_BLOCKS = 0
+BLOCKSPARSE_STAGED_STEP_BLOCKS = 32
 
 
 class StagedConfig(NamedTuple):
@@ -371,20 +385,29 @@ def blocksparse_config(row_length: float, elem_size: int, floats_per_thread: int
     return _smallest_fitting(fitting or BLOCKSPARSE_CONFIGS[:1], row_length, elem_size)
 
 
-def _staged(cap: int) -> BlockSparseStaged:
-    return BlockSparseStaged(BLOCKSPARSE_STAGED_WARPS, cap, BLOCKSPARSE_STAGED_UNROLL, BLOCKSPARSE_STAGED_MIN_BLOCKS)
+def _staged(cap: int, lanes: int = 32) -> BlockSparseStaged:
+    return BlockSparseStaged(BLOCKSPARSE_STAGED_WARPS, cap, BLOCKSPARSE_STAGED_UNROLL, BLOCKSPARSE_STAGED_MIN_BLOCKS,
+                             lanes)
 
 
-def blocksparse_staged_config(mean_row: float, longest_row: int, elem_size: int,
-                              cc: int) -> BlockSparseStaged | None:
-    """The staged forward for a layout of this mean and longest row (elements) on sm_80+, if its mean row is
-    BLOCKSPARSE_STAGED_FROM or more: the smallest compiled buffer that holds the longest row, or
+def blocksparse_staged_lanes(block: int, elem_size: int) -> int:
+    """Lanes per row of the staged forward: those that read BLOCKSPARSE_STAGED_STEP_BLOCKS blocks' pieces of a row
+    (B / VEC vectors each) a step, at most 32, and at least 32 / B (a warp's rows within one block-row)."""
+    piece = max(1, block * elem_size // 16)
+    return max(32 // block, min(32, BLOCKSPARSE_STAGED_STEP_BLOCKS * piece))
+
+
+def blocksparse_staged_config(mean_row: float, longest_row: int, elem_size: int, cc: int,
+                              block: int) -> BlockSparseStaged | None:
+    """The staged forward for a layout of this mean and longest row (elements) and block size on sm_80+, if its
+    mean row is BLOCKSPARSE_STAGED_FROM or more: the smallest compiled buffer that holds the longest row, or
     BLOCKSPARSE_STAGED_MARGIN x the mean row if less, else the largest; None otherwise."""
     if cc < 80 or mean_row < BLOCKSPARSE_STAGED_FROM:
         return None
     row_length = min(longest_row, BLOCKSPARSE_STAGED_MARGIN * mean_row)
     vectors = math.ceil(row_length / (16 // elem_size))
-    return _staged(next((c for c in BLOCKSPARSE_STAGED_CAPS if c >= vectors), BLOCKSPARSE_STAGED_CAPS[-1]))
+    cap = next((c for c in BLOCKSPARSE_STAGED_CAPS if c >= vectors), BLOCKSPARSE_STAGED_CAPS[-1])
+    return _staged(cap, blocksparse_staged_lanes(block, elem_size))
 
 
 def grid_blocks(rows: int, cfg: RowConfig) -> int:

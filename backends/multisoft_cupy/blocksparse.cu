@@ -293,12 +293,13 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_bwd(const T* y, const T* dy, T* dx,
 }
 
 // ---------------------------------------------------------------------------
-// Rows staged in shared memory (sm_80+, 16-byte aligned blocks), forward. A warp per row copies the row's vectors
-// that hold a kept element (a causal row's prefix, lut.causal) into a buffer of its own (CAP vectors) with cp.async
-// and works there, so the bytes in flight are bounded by shared memory rather than by registers, and a row of up
-// to CAP vectors is read from global memory once, whatever its length; a longer row is staged CAP vectors at a
-// time, twice. Zeros are written past the kept prefix without reading. A lane reads back only the vectors it
-// copied, so the copies need no barrier.
+// Rows staged in shared memory (sm_80+, 16-byte aligned blocks), forward. LANES lanes per row (a power of two up to
+// 32; 32 / LANES rows of one block-row per warp) copy the row's vectors that hold a kept element (a causal row's
+// prefix, lut.causal) into a buffer of the row's own (CAP vectors) with cp.async and work there, so the bytes in
+// flight are bounded by shared memory rather than by registers, and a row of up to CAP vectors is read from global
+// memory once, whatever its length; a longer row is staged CAP vectors at a time, twice. Zeros are written past the
+// kept prefix without reading. A lane reads back only the vectors it copied, so the copies need no barrier. Fewer
+// lanes per row spread a row's fixed costs (its set-up, its reductions) over more of its elements.
 // ---------------------------------------------------------------------------
 template <int LOG2VEC>
 struct BsStagedRow {
@@ -334,12 +335,27 @@ __device__ __forceinline__ BsStagedRow<LOG2VEC> bs_staged_row(const int* offsets
     return row;
 }
 
-// Starts copying the row's vectors first .. first + count - 1 of `src` into buf (this lane's: lane, lane + 32, ...);
-// cp_async_wait_all() waits for them.
+// Starts copying the row's vectors first .. first + count - 1 of `src` into buf (this lane's: lane, lane + lanes,
+// ...); cp_async_wait_all() waits for them.
 template <typename T, int LOG2VEC>
 __device__ __forceinline__ void bs_stage(uint4* buf, const T* src, const BsStagedRow<LOG2VEC>& row, int first,
-                                         int count, int lane) {
-    for (int v = lane; v < count; v += 32) cp_async16(buf + v, src + row.offset(first + v));
+                                         int count, int lane, int lanes) {
+    for (int v = lane; v < count; v += lanes) cp_async16(buf + v, src + row.offset(first + v));
+}
+
+// The max and sum of one value over each aligned group of `lanes` lanes (a power of two), every lane of the warp
+// taking part; and the max over the warp of one int that is the same across each group.
+__device__ __forceinline__ float group_max(float v, int lanes) {
+    for (int o = lanes / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float group_sum(float v, int lanes) {
+    for (int o = lanes / 2; o > 0; o /= 2) v += __shfl_xor_sync(MS_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ int groups_max(int v, int lanes) {
+    for (int o = 16; o >= lanes; o /= 2) v = max(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
+    return v;
 }
 
 // The largest score (scale * x) among a staged vector's elements 0 .. valid - 1, as the raw word(s) that hold
@@ -379,26 +395,34 @@ __device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
     }
 }
 
-// out = softmax(scale * x) of each row; dynamic shared memory: WARPS x CAP x 16 bytes. With c = scale * log2(e)
-// and t = c * x* (x* the element of the largest score), exp(scale * x - scale * x*) = 2^(c * x - t) takes one
-// FMA and ex2 per element; t's rounding is common to every term of a row and cancels in the quotient. A row
-// staged in parts keeps its sum s for the t so far and rescales it by 2^(t_old - t_new) with the same rounded t.
-// UNROLL: vectors a lane works on at once in the max and sum passes; MIN_BLOCKS: see MS_ROW_KERNEL_MIN.
+// out = softmax(scale * x) of each row; dynamic shared memory: WARPS x 32 / lanes row buffers, row_stride 16-byte
+// vectors apart (CAP, padded where fewer than 8 lanes a row would read the same banks). With c = scale * log2(e)
+// and t = c * x* (x* the element of the largest score), exp(scale * x - scale * x*) = 2^(c * x - t) takes one FMA
+// and ex2 per element; t's rounding is common to every term of a row and cancels in the quotient. A row staged in
+// parts keeps its sum s for the t so far and rescales it by 2^(t_old - t_new) with the same rounded t. The rows of a
+// warp run their parts together (the reductions take every lane). log2lanes: lanes per row; UNROLL: vectors a lane
+// works on at once in the max and sum passes; MIN_BLOCKS: see MS_ROW_KERNEL_MIN.
 template <typename T, int WARPS, int CAP, int UNROLL = 1, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, const int* offsets, const int* causal_prefix, i64 Z,
-                                        i64 nnz, i64 groups, int log2b, float scale, int causal) {
+                                        i64 nnz, i64 groups, int log2b, float scale, int causal, int log2lanes,
+                                        int row_stride) {
     using V = BsVec<T>;
     constexpr int VEC = V::VEC;
     extern __shared__ uint4 stage[];
-    const int lane = threadIdx.x % 32;
-    uint4* buf = stage + (threadIdx.x / 32) * CAP;
+    const int lanes = 1 << log2lanes;
+    const int lane = threadIdx.x & (lanes - 1);
+    const int block_rows = WARPS << (5 - log2lanes);  // rows a block works on at once
+    const int slot = threadIdx.x >> log2lanes;          // this lane's row among them
+    uint4* buf = stage + slot * row_stride;
     const i64 total_rows = (Z * groups) << log2b;
     const float c = scale * 1.4426950408889634f;
     const u32 flip = scale < 0.f ? (Elem<T>::PER_WORD == 1 ? 0x80000000u : 0x80008000u) : 0u;
     const float magnitude = fabsf(c);
-    for (i64 rid = (i64)blockIdx.x * WARPS + threadIdx.x / 32; rid < total_rows; rid += (i64)gridDim.x * WARPS) {
+    // A warp's rows are consecutive, within one block-row (32 / lanes divides B): all or none of them exist.
+    for (i64 rid = (i64)blockIdx.x * block_rows + slot; rid < total_rows; rid += (i64)gridDim.x * block_rows) {
         const auto row = bs_staged_row<V::LOG2VEC>(offsets, causal_prefix, rid, nnz, groups, log2b, causal != 0);
         const int loaded = (row.kept + VEC - 1) >> V::LOG2VEC;  // vectors holding a kept element
+        const int warp_loaded = groups_max(loaded, lanes);
         // 2^(c * x - t) of the staged vector v's elements, 0 past the kept prefix
         auto terms = [&](const uint4& q, int v, float t, float (&f)[VEC]) {
             const int valid = row.kept - v * VEC;
@@ -410,13 +434,13 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
             }
         };
         float t = -MS_INF, s = 0.f;
-        for (int first = 0; first < loaded; first += CAP) {
-            const int count = min(CAP, loaded - first);
-            bs_stage(buf, x, row, first, count, lane);
+        for (int first = 0; first < warp_loaded; first += CAP) {
+            const int count = max(0, min(CAP, loaded - first));
+            bs_stage(buf, x, row, first, count, lane, lanes);
             cp_async_wait_all();
             u32 top = V::splat(-MS_INF).x;
 #pragma unroll UNROLL
-            for (int v = lane; v < count; v += 32) {
+            for (int v = lane; v < count; v += lanes) {
                 const u32 w = bs_max_word<T>(buf[v], flip, row.kept - (first + v) * VEC);
                 if constexpr (Elem<T>::PER_WORD == 1) top = __float_as_uint(fmaxf(__uint_as_float(top), __uint_as_float(w)));
                 else top = max_pairs<T>(top, w);
@@ -424,21 +448,26 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
             // the part's largest score times log2(e): |c| * (the largest flipped x)
             const float top_x = Elem<T>::PER_WORD == 1 ? __uint_as_float(top)
                                                        : fmaxf(Elem<T>::get(top, 0), Elem<T>::get(top, 1));
-            const float t_new = fmaxf(t, warp_max(top_x * magnitude));
-            if (t_new == -MS_INF) continue;  // nothing kept so far
+            const float t_new = fmaxf(t, group_max(top_x * magnitude, lanes));
+            const bool any = t_new != -MS_INF;  // an element kept so far
             float acc = 0.f;
+            if (any) {
 #pragma unroll UNROLL
-            for (int v = lane; v < count; v += 32) {
-                float f[VEC];
-                terms(buf[v], first + v, t_new, f);
+                for (int v = lane; v < count; v += lanes) {
+                    float f[VEC];
+                    terms(buf[v], first + v, t_new, f);
 #pragma unroll
-                for (int step = 1; step < VEC; step *= 2)  // a tree: log2(VEC) dependent adds, not VEC
+                    for (int step = 1; step < VEC; step *= 2)  // a tree: log2(VEC) dependent adds, not VEC
 #pragma unroll
-                    for (int e = 0; e < VEC; e += 2 * step) f[e] += f[e + step];
-                acc += f[0];
+                        for (int e = 0; e < VEC; e += 2 * step) f[e] += f[e + step];
+                    acc += f[0];
+                }
             }
-            s = s * exp2_approx(t - t_new) + warp_sum(acc);
-            t = t_new;
+            acc = group_sum(acc, lanes);
+            if (any) {
+                s = s * exp2_approx(t - t_new) + acc;
+                t = t_new;
+            }
         }
         int zeros_from = loaded;
         if (t == -MS_INF) {
@@ -448,11 +477,11 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
             for (int first = 0; first < loaded; first += CAP) {
                 const int count = min(CAP, loaded - first);
                 if (loaded > CAP) {
-                    bs_stage(buf, x, row, first, count, lane);
+                    bs_stage(buf, x, row, first, count, lane, lanes);
                     cp_async_wait_all();
                 }
 #pragma unroll 2
-                for (int v = lane; v < count; v += 32) {
+                for (int v = lane; v < count; v += lanes) {
                     float f[VEC];
                     terms(buf[v], first + v, t, f);
 #pragma unroll
@@ -461,7 +490,7 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
                 }
             }
         }
-        for (int v = zeros_from + lane; v < row.vectors; v += 32)
+        for (int v = zeros_from + lane; v < row.vectors; v += lanes)
             *reinterpret_cast<uint4*>(out + row.offset(v)) = make_uint4(0u, 0u, 0u, 0u);
     }
 }

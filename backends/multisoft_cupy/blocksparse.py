@@ -35,7 +35,7 @@ def _staged_config(x: torch.Tensor, out: torch.Tensor, lut):
         return None
     cc, _ = device_info(device_index(x))
     return _catalog.blocksparse_staged_config(lut.mean_blocks * lut.block, lut.max_blocks * lut.block,
-                                              x.element_size(), cc)
+                                              x.element_size(), cc, lut.block)
 
 
 def _row_config(data: torch.Tensor, lut, choices: dict) -> tuple:
@@ -49,7 +49,8 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     rows, sizes, log2b = _sizes(x, lut)
     staged = _staged_config(x, out, lut)
     if staged is not None:
-        args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.causal), *sizes, log2b, f32(scale), i32(is_causal))
+        args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.causal), *sizes, log2b, f32(scale), i32(is_causal),
+                i32(staged.lanes.bit_length() - 1), i32(staged.row_stride))
         launch(x, SOURCE, _catalog.blocksparse_staged_kernel(ctype(x.dtype), staged), (staged.grid(rows), 1, 1),
                (32 * staged.warps, 1, 1), args, shared_mem=staged.shared_bytes)
         return
