@@ -566,17 +566,18 @@ def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("step_blocks", [1, 32])
+@pytest.mark.parametrize("lane_vectors", [None, 1000])
 @pytest.mark.parametrize("cap", _catalog.BLOCKSPARSE_STAGED_CAPS)
-def test_blocksparse_every_staged_buffer(cap, step_blocks, dtype, monkeypatch):
+def test_blocksparse_every_staged_buffer(cap, lane_vectors, dtype, monkeypatch):
     """The staged forward with each compiled shared-memory buffer, on rows of one to several parts (rows of up to
     2560 elements; the smallest buffer holds 256 float32 or 512 16-bit ones), with and without the causal mask (a
     row with no kept element among them), with a negative and a zero scale, a warp a row or several rows a warp
-    (2 or 4 lanes a row: the rows of a warp differ in length where causal); the backward of its output."""
+    (as few lanes a row as the buffers allow: the rows of a warp differ in length where causal); the backward of
+    its output."""
     _, _, blocksparse = _kernels()
     smallest = _catalog.BLOCKSPARSE_STAGED_CAPS[0] * 8  # 16-bit elements the smallest buffer holds
     monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_CAPS", (cap,))
-    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_STEP_BLOCKS", step_blocks)
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_LANE_VECTORS", lane_vectors)
     g = torch.Generator().manual_seed(cap)
     layout = random_layout(2, 6, 160, g)
     layout[1, 5, :5] = 0
@@ -585,6 +586,8 @@ def test_blocksparse_every_staged_buffer(cap, step_blocks, dtype, monkeypatch):
     assert lut.max_blocks * 16 > 2 * smallest  # three parts or more
     x = torch.randn(2, lut.nnz, 16, 16, device=_device()).to(dtype)
     dy = torch.randn_like(x)
+    cfg = blocksparse._staged_config(x, x, lut)
+    assert cfg.cap == cap and (cfg.lanes < 32) == (lane_vectors is not None)
     for causal, scale in ((False, 0.5), (True, 0.5), (False, -0.8), (True, 0.0)):
         y = torch.full_like(x, float("nan"))
         blocksparse.forward(x, y, lut, scale, causal)
@@ -615,22 +618,31 @@ def test_blocksparse_forward_stages_rows_where_it_measured_faster():
     assert cfg.grid(1 << 40) == _catalog.MAX_GRID
 
 
-@pytest.mark.parametrize("step_blocks", [1, 2, 32])
-def test_blocksparse_staged_lanes_per_row(step_blocks, monkeypatch):
-    """Lanes per row read BLOCKSPARSE_STAGED_STEP_BLOCKS blocks' pieces of a row a step (B / VEC vectors each), at
-    most 32 and at least 32 / B, so that a warp's rows lie in one block-row; a buffer per row, padded where fewer
-    than 8 lanes would read the same banks, and shared memory for all of a block's rows."""
-    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_STEP_BLOCKS", step_blocks)
-    for block in (16, 32, 64, 128):
+@pytest.mark.parametrize("lane_vectors", [None, 4, 8])
+def test_blocksparse_staged_lanes_per_row(lane_vectors, monkeypatch):
+    """Lanes per row: the power of two nearest the mean row's 16-byte vectors over BLOCKSPARSE_STAGED_LANE_VECTORS
+    (None: a warp a row), at most 32 and at least 32 / B, so that a warp's rows lie in one block-row; more where a
+    block's buffers would pass STAGED_BLOCK_BYTES. A buffer per row, padded where fewer than 8 lanes would read the
+    same banks, and shared memory for all of a block's rows."""
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_LANE_VECTORS", lane_vectors)
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_FROM", 0)
+    lanes = _catalog.blocksparse_staged_lanes
+    if lane_vectors is None:
+        assert {lanes(mean, 16, 2) for mean in (8, 450, 4096)} == {32}
+    else:
+        assert lanes(450, 64, 2) == (8 if lane_vectors == 8 else 16)  # 56.25 vectors: 7.0 or 14.1 a lane
+        assert lanes(450, 64, 4) == (16 if lane_vectors == 8 else 32)
+        assert lanes(1 << 20, 64, 2) == 32
+        assert lanes(8, 4, 2) == 8 and lanes(8, 64, 2) == 1  # no more rows a warp than a block-row has
+    for block in (4, 16, 32, 64, 128):
         for elem in (2, 4):
-            lanes = _catalog.blocksparse_staged_lanes(block, elem)
-            assert lanes == min(32, step_blocks * block * elem // 16)
-            assert 32 % lanes == 0 and block % (32 // lanes) == 0
-            cfg = _catalog.blocksparse_staged_config(1024, 1200, elem, 90, block)
-            assert cfg.lanes == lanes and cfg.rows == cfg.warps * 32 // lanes
-            assert cfg.row_stride == cfg.cap + (lanes if lanes < 8 else 0)
-            assert cfg.shared_bytes == cfg.rows * cfg.row_stride * 16
-    assert 32 // _catalog.blocksparse_staged_lanes(4, 4) <= 4  # no more rows a warp than a block-row has
+            for mean, longest in ((256, 300), (450, 1100), (1024, 1200), (2048, 4096), (8192, 8192)):
+                cfg = _catalog.blocksparse_staged_config(mean, longest, elem, 90, block)
+                assert 32 % cfg.lanes == 0 and block % (32 // cfg.lanes) == 0
+                assert cfg.lanes >= lanes(mean, block, elem) and cfg.rows == cfg.warps * 32 // cfg.lanes
+                assert cfg.row_stride == cfg.cap + (cfg.lanes if cfg.lanes < 8 else 0)
+                assert cfg.shared_bytes == cfg.rows * cfg.row_stride * 16
+                assert cfg.shared_bytes <= _catalog.STAGED_BLOCK_BYTES or cfg.lanes == 32
 
 
 @gpu

@@ -123,7 +123,7 @@ BLOCKSPARSE_STAGED_WARPS = 2
 BLOCKSPARSE_STAGED_CAPS = (64, 128, 256, 512, 1024)
 BLOCKSPARSE_STAGED_UNROLL = 1
 BLOCKSPARSE_STAGED_MIN_BLOCKS = 0
-BLOCKSPARSE_STAGED_STEP_BLOCKS = 32
+BLOCKSPARSE_STAGED_LANE_VECTORS = None
 
 
 class StagedConfig(NamedTuple):
@@ -390,24 +390,31 @@ def _staged(cap: int, lanes: int = 32) -> BlockSparseStaged:
                              lanes)
 
 
-def blocksparse_staged_lanes(block: int, elem_size: int) -> int:
-    """Lanes per row of the staged forward: those that read BLOCKSPARSE_STAGED_STEP_BLOCKS blocks' pieces of a row
-    (B / VEC vectors each) a step, at most 32, and at least 32 / B (a warp's rows within one block-row)."""
-    piece = max(1, block * elem_size // 16)
-    return max(32 // block, min(32, BLOCKSPARSE_STAGED_STEP_BLOCKS * piece))
+def blocksparse_staged_lanes(mean_row: float, block: int, elem_size: int) -> int:
+    """Lanes per row of the staged forward: the power of two nearest the mean row's 16-byte vectors over
+    BLOCKSPARSE_STAGED_LANE_VECTORS (None: 32), at most 32 and at least 32 / B (a warp's rows within one
+    block-row)."""
+    if BLOCKSPARSE_STAGED_LANE_VECTORS is None:
+        return 32
+    share = max(1.0, mean_row * elem_size / 16 / BLOCKSPARSE_STAGED_LANE_VECTORS)
+    return max(32 // block, min(32, 1 << round(math.log2(share))))
 
 
 def blocksparse_staged_config(mean_row: float, longest_row: int, elem_size: int, cc: int,
                               block: int) -> BlockSparseStaged | None:
     """The staged forward for a layout of this mean and longest row (elements) and block size on sm_80+, if its
     mean row is BLOCKSPARSE_STAGED_FROM or more: the smallest compiled buffer that holds the longest row, or
-    BLOCKSPARSE_STAGED_MARGIN x the mean row if less, else the largest; None otherwise."""
+    BLOCKSPARSE_STAGED_MARGIN x the mean row if less, else the largest; blocksparse_staged_lanes lanes a row, or
+    more where a block's row buffers would otherwise pass STAGED_BLOCK_BYTES; None otherwise."""
     if cc < 80 or mean_row < BLOCKSPARSE_STAGED_FROM:
         return None
     row_length = min(longest_row, BLOCKSPARSE_STAGED_MARGIN * mean_row)
     vectors = math.ceil(row_length / (16 // elem_size))
     cap = next((c for c in BLOCKSPARSE_STAGED_CAPS if c >= vectors), BLOCKSPARSE_STAGED_CAPS[-1])
-    return _staged(cap, blocksparse_staged_lanes(block, elem_size))
+    cfg = _staged(cap, blocksparse_staged_lanes(mean_row, block, elem_size))
+    while cfg.shared_bytes > STAGED_BLOCK_BYTES and cfg.lanes < 32:
+        cfg = cfg._replace(lanes=2 * cfg.lanes)
+    return cfg
 
 
 def grid_blocks(rows: int, cfg: RowConfig) -> int:
