@@ -598,7 +598,7 @@ def test_blocksparse_every_staged_buffer(cap, lane_vectors, dtype, monkeypatch):
         check(dx, blocksparse_backward_reference(y, dy, lut, scale), dtype, "backward")
 
 
-def test_blocksparse_forward_stages_rows_where_it_measured_faster():
+def test_blocksparse_forward_stages_rows_where_it_measured_faster(monkeypatch):
     """Staged on sm_80+ for a mean row of BLOCKSPARSE_STAGED_FROM elements or more, in the smallest compiled buffer
     that holds the longest row or BLOCKSPARSE_STAGED_MARGIN x the mean row if less, else the largest (longer rows are
     staged in parts)."""
@@ -611,7 +611,9 @@ def test_blocksparse_forward_stages_rows_where_it_measured_faster():
     assert staged(640, 672, 4, 90, 64).cap == 256  # float32: 168 vectors
     assert staged(2048, 2300, 4, 90, 64).cap == 1024  # 575 float32 vectors
     assert staged(4096, 16384, 2, 90, 64).cap == caps[-1]  # 5120 elements: the largest buffer, rows in parts
-    assert staged(_catalog.BLOCKSPARSE_STAGED_FROM - 1, 1024, 2, 90, 64) is None  # short rows: registers
+    assert _catalog.BLOCKSPARSE_STAGED_FROM == 0 and staged(8, 8, 2, 90, 64).cap == caps[0]  # every layout
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_STAGED_FROM", 512)
+    assert staged(511, 1024, 2, 90, 64) is None  # shorter mean rows than the setting: registers
     assert staged(1024, 1200, 2, 75, 64) is None  # no cp.async before sm_80
     cfg = staged(1024, 1200, 2, 90, 64)   # rows / (rows a block) blocks, rounded up, within the grid limit
     assert cfg.grid(4 * cfg.rows) == 4 and cfg.grid(4 * cfg.rows + 1) == 5

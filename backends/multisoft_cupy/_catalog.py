@@ -116,14 +116,19 @@ class BlockSparseStaged(NamedTuple):
 # (mean row about 450) lost (0.61 against 0.64 bf16, 0.73 against 0.81 float32 causal); a buffer for the longest
 # row took float32 causal 25 % layouts to 0.68-0.77 (against 0.86-0.90); 2 warps a block beat 4 and 8, 4 vectors
 # at once and register caps were level or slower. The backward staged lost (bf16 0.66-0.80 against 0.75-0.90 on
-# the 25 % causal layouts): it keeps the register kernel.
-BLOCKSPARSE_STAGED_FROM = 512
+# the 25 % causal layouts): it keeps the register kernel. Since session 21 a row takes the lanes that give each
+# about BLOCKSPARSE_STAGED_LANE_VECTORS vectors of the mean row (blocksparse_staged_lanes), several rows a warp,
+# and every layout is staged (tuning/cupy-blocksparse-lanes.txt, same run, against a warp a row and the register
+# kernel below a mean row of 512): bf16 0.53-0.87 -> 0.69-0.87 (11 % 0.64 -> 0.84, causal 0.53 -> 0.78; b16 0.70 ->
+# 0.74), float32 0.81-0.96 -> 0.85-0.96 (11 % 0.89 -> 0.95, causal 0.81 -> 0.92); 4 or 16 vectors a lane, 1 or 4
+# warps a block were level or slower (1 warp: float32 50 % 0.88 -> 0.92, the rest 0.01-0.03 slower).
+BLOCKSPARSE_STAGED_FROM = 0
 BLOCKSPARSE_STAGED_MARGIN = 1.25
 BLOCKSPARSE_STAGED_WARPS = 2
 BLOCKSPARSE_STAGED_CAPS = (64, 128, 256, 512, 1024)
 BLOCKSPARSE_STAGED_UNROLL = 1
 BLOCKSPARSE_STAGED_MIN_BLOCKS = 0
-BLOCKSPARSE_STAGED_LANE_VECTORS = None
+BLOCKSPARSE_STAGED_LANE_VECTORS = 8
 
 
 class StagedConfig(NamedTuple):
