@@ -376,31 +376,54 @@ def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
 
     monkeypatch.setattr(blocksparse, "SIMULATOR", False)
     shape = blocksparse._launch_shape
-    assert shape(1, 4096, 1040.0, 4, 4)[3:] == (16, 32)
-    assert shape(1, 4096, 467.0, 4, 4)[3:] == (16, 16)
-    assert shape(1, 4096, 1040.0, 8, 2)[3:] == (48, 32)
-    assert shape(1, 4096, 1040.0, 8, 2, causal=True)[3:] == (32, 32)
-    assert shape(1, 4096, 2100.0, 8, 2)[3:] == (64, 64)
-    assert shape(1, 4096, 467.0, 8, 2)[3:] == (16, 16)
-    assert shape(1, 4096, 467.0, 8, 2, causal=True)[3:] == (16, 16)
-    assert shape(1, 4096, 2100.0, 8, 2, causal=True)[3:] == (32, 64)
-    assert shape(1, 4096, 1040.0, 8, 2, positive_scale=False)[3:] == (16, 32)
-    assert shape(1, 4096, 1040.0, 1, 2)[3:] == (16, 16)
+    assert shape(1, 4096, 1040.0, 4, 4, 64)[3:] == (16, 32)
+    assert shape(1, 4096, 467.0, 4, 4, 64)[3:] == (16, 16)
+    assert shape(1, 4096, 1040.0, 8, 2, 64)[3:] == (48, 32)
+    assert shape(1, 4096, 1040.0, 8, 2, 64, causal=True)[3:] == (32, 32)
+    assert shape(1, 4096, 2100.0, 8, 2, 64)[3:] == (64, 64)
+    assert shape(1, 4096, 467.0, 8, 2, 64)[3:] == (16, 16)
+    assert shape(1, 4096, 467.0, 8, 2, 64, causal=True)[3:] == (16, 16)
+    assert shape(1, 4096, 2100.0, 8, 2, 64, causal=True)[3:] == (32, 64)
+    assert shape(1, 4096, 1040.0, 8, 2, 64, positive_scale=False)[3:] == (16, 32)
+    assert shape(1, 4096, 1040.0, 1, 2, 64)[3:] == (16, 16)
     monkeypatch.setattr(blocksparse, "PACK_16BIT", False)
-    assert shape(1, 4096, 1040.0, 8, 2)[3:] == (16, 16)
+    assert shape(1, 4096, 1040.0, 8, 2, 64)[3:] == (16, 16)
+
+
+def test_blocksparse_lanes_per_row_follow_the_mean_row(monkeypatch):
+    """On a GPU, a row takes the power of two of lanes nearest its mean bytes over ROW_LANE_BYTES (None: 32), at
+    most 32 and at least 32 / B (a warp's rows within one block-row); WARPS warps a block; the values per lane
+    chosen for the tile of those lanes."""
+    from multisoft_numba import blocksparse
+
+    monkeypatch.setattr(blocksparse, "SIMULATOR", False)
+    shape = blocksparse._launch_shape
+    assert shape(1, 4096, 460.0, 8, 2, 64)[:2] == (32, blocksparse.WARPS)
+    monkeypatch.setattr(blocksparse, "ROW_LANE_BYTES", 128)
+    assert shape(1, 4096, 460.0, 8, 2, 64)[:2] == (8, blocksparse.WARPS * 4)       # 920 bytes: 7.2 lanes
+    assert shape(1, 4096, 460.0, 8, 2, 64)[3] == 64                                  # 8 x 64 hold 460
+    assert shape(1, 4096, 460.0, 4, 4, 64)[:2] == (16, blocksparse.WARPS * 2)       # 14.4
+    assert shape(1, 4096, 1 << 20, 4, 4, 64)[0] == 32
+    assert shape(1, 4096, 16.0, 8, 2, 16)[0] == 2 and shape(1, 4096, 16.0, 8, 2, 128)[0] == 1
+    lanes, rows, grid, _, _ = shape(1, 4096, 460.0, 8, 2, 64)
+    assert grid[0] == -(-4096 // rows)
 
 
 @needs_backend
+@pytest.mark.parametrize("row_lane_bytes", [None, 40, 1e9], ids=["warp", "lanes40", "fewest"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "bfloat16-unaligned"],
                          ids=str)
-def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal):
-    """Rows of several tiles reduced over several lanes, grid-stride, empty and fully masked rows."""
+def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal, row_lane_bytes):
+    """Rows of several tiles reduced over several lanes, grid-stride, empty and fully masked rows; on a GPU a
+    warp a row or several rows a warp (ROW_LANE_BYTES; the fewest lanes a row: 2, 16 rows a warp)."""
     from multisoft._blocksparse import lookup_table
     from multisoft_numba import blocksparse
+    if row_lane_bytes is not None and not ON_GPU:
+        pytest.skip("the simulator runs a row a block")
     for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
                         ("FORWARD_FLOATS", {4: (2,), 2: (2,)}), ("BACKWARD_FLOATS", {4: (2,), 2: (2,)}),
-                        ("MAX_GRID", 3), ("MAX_GRID_Y", 1)):
+                        ("MAX_GRID", 3), ("MAX_GRID_Y", 1), ("ROW_LANE_BYTES", row_lane_bytes)):
         monkeypatch.setattr(blocksparse, name, value)
     unaligned = dtype == "bfloat16-unaligned"
     dtype = torch.bfloat16 if unaligned else dtype

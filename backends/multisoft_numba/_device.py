@@ -530,10 +530,22 @@ else:
     lanes_sum = warp_sum
 
 
-@device_function
-def lanes_merge_log2(m, s):
-    """The warp's (max, sum of 2**(x - max)) from its lanes' pairs (log2 units); every lane gets it."""
-    top = lanes_max(m)
-    if m != NEG_INF:   # else s is 0 (and m - top may be NaN)
-        s *= exp2f(m - top)
-    return top, lanes_sum(s)
+@functools.cache
+def row_reductions(lanes):
+    """(merge_log2(m, s), sum(v)) over a row's `lanes` lanes, for kernels that give each aligned group of `lanes`
+    lanes of a warp its own row (a power of two, at most 32; the whole warp takes part): shuffles on the GPU, the
+    thread block under the simulator (a row a block there). merge_log2 gives the row's (max, sum of 2**(x - max))
+    from its lanes' pairs (log2 units); every lane gets the results."""
+    if SIMULATOR:
+        row_max, row_sum = lanes_max, lanes_sum
+    else:
+        row_max, row_sum = shuffle_reductions(lanes)
+
+    @device_function
+    def merge_log2(m, s):
+        top = row_max(m)
+        if m != NEG_INF:   # else s is 0 (and m - top may be NaN)
+            s *= exp2f(m - top)
+        return top, row_sum(s)
+
+    return merge_log2, row_sum

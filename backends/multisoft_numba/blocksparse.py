@@ -2,16 +2,17 @@
 
 Row i of block-row g = h * Mb + r in batch z is the concatenation of row i of the
 blocks offsets[g] .. offsets[g + 1]; rows of a batch entry are numbered (g, i), and
-the grid's y index walks the batch (no division per row). One warp per row (WARPS
-rows per thread block, grid-stride over the rows; under the simulator, which has no
-shuffles, one warp per block). The data is read and written in vectors of
-`width` elements, one access each (_device.row_io; the widest that the tensors'
-alignment allows, see _glue.vector_views), through 1-D views indexed with unsigned
-integers. Vector v of a row lies in block v // V at vector v % V of its row (V
-vectors per block row); lane `lane` holds the vectors t * TILE + k * 32 + lane
-(k < vectors per lane) of tile t, so each load of the warp reads consecutive
-vectors. A row of one tile is read once and written from registers; a longer row keeps
-its first tiles in shared memory for the second pass (STASH_BYTES) and reads the others
+the grid's y index walks the batch (no division per row). A row takes `lanes` lanes of a
+warp (32, or fewer for short rows: ROW_LANE_BYTES), WARPS warps per thread block,
+grid-stride over the rows; under the simulator, which has no shuffles, one row per block.
+The data is read and written in vectors of `width` elements, one access each
+(_device.row_io; the widest that the tensors' alignment allows, see
+_glue.vector_views), through 1-D views indexed with unsigned integers. Vector v of a
+row lies in block v // V at vector v % V of its row (V vectors per block row); lane
+`lane` holds the vectors t * TILE + k * lanes + lane (k < vectors per lane) of tile
+t, so each load of a row's lanes reads consecutive vectors. A row of one tile is
+read once and written from registers; a longer row keeps its first tiles in shared
+memory for the second pass (STASH_BYTES) and reads the others
 again (the last one excepted).
 
 Causal masking keeps a prefix of each row: the look-up table lists a block-row's blocks
@@ -27,8 +28,8 @@ import math
 import numpy
 from numba import cuda, float32, int32, int64, uint64
 
-from ._device import (HALF_SHIFT, LOW_HALF, NEG_INF, exp2f, fresh_shift, kahan_add, lanes_merge_log2,
-                      lanes_sum, nan_max, packed_io, packed_max, packed_pad, row_io, share_shift)
+from ._device import (HALF_SHIFT, LOW_HALF, NEG_INF, exp2f, fresh_shift, kahan_add, nan_max, packed_io, packed_max,
+                      packed_pad, row_io, row_reductions, share_shift)
 from ._glue import SIMULATOR, device_function, launch, vector_views
 from ._intrinsics import LOG2E, vector_access
 
@@ -61,7 +62,11 @@ PACKED_VALUES = {"forward": (16, 32, 48, 64), "causal": (16, 32), "backward": (1
 STASH_BYTES = 48 * 1024
 STASH_ROW = "mean"
 BACKWARD_STASH_TILES = 1
-WARPS = 4              # rows (warps) per thread block on the GPU
+WARPS = 4              # warps per thread block on the GPU
+# Lanes per row on the GPU: the power of two nearest the layout's mean row's bytes over ROW_LANE_BYTES (None: 32),
+# at most 32 and at least 32 / B (a warp's rows within one block-row): fewer lanes spread a row's fixed costs (its
+# set-up, its reductions) over more of its elements, several rows a warp.
+ROW_LANE_BYTES = None
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
 # The simulator runs a thread per lane and pays for every one and for every barrier: one
@@ -133,6 +138,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
     held = lanes * floats   # a tile's values, a row
     read, write = row_io(fmt, width)
     keep, fetch = _stash_io(floats, lanes)
+    merge_log2, _ = row_reductions(lanes)
 
     @device_function
     def load_scores(x, vals, base, t, lane, n_vectors, log2b, log2v, c):
@@ -199,7 +205,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                         vals[k] = exp2f(vals[k] - shift)
                         acc += vals[k]
                     s += acc
-                row_m, row_s = lanes_merge_log2(m, s)
+                row_m, row_s = merge_log2(m, s)
                 empty = row_m == NEG_INF   # every element masked or -inf: zeros
                 inv_s = float32(0.0) if empty else float32(1.0) / row_s
                 factor = float32(0.0) if empty or m == NEG_INF else exp2f(m - row_m) * inv_s
@@ -242,6 +248,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
     stash_size = max(1, warps * stash * 2 * held)
     read, write = row_io(fmt, width)
     keep, fetch = _stash_io(floats, lanes)
+    _, row_sum = row_reductions(lanes)
 
     @device_function
     def load_tile(y, dy, ys, gs, base, t, lane, n_vectors, log2b, log2v):
@@ -291,7 +298,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
                     for k in range(floats):
                         acc += ys[k] * gs[k]
                     dot, lost = kahan_add(dot, lost, acc)
-                dot = lanes_sum(dot - lost)
+                dot = row_sum(dot - lost)
                 if tiles > 0:
                     store_tile(dx, ys, gs, base, tiles - 1, lane, n_vectors, log2b, log2v, dot, scale)
                 for t in range(tiles - 1):
@@ -356,6 +363,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
     tile = lanes * vectors
     load = _packed_tile_load(fmt, width, values, lanes)
     keep, fetch = _stash_io(held, lanes)
+    merge_log2, _ = row_reductions(lanes)
     _, unpack = packed_io(fmt, width, vectors)
     _, write = row_io(fmt, width)
     pair_max, word_max = packed_max(fmt)
@@ -433,7 +441,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                         for k in range(values):
                             acc += exp2f(unpack(words, k, HALF_SHIFT) * c - m)
                         s += acc
-                row_m, row_s = lanes_merge_log2(m, s)
+                row_m, row_s = merge_log2(m, s)
                 if row_m == NEG_INF:   # every element masked or -inf: zeros
                     for t in range(tiles):
                         store_zeros(out, vec, base, t, lane, n_vectors, log2b, log2v)
@@ -471,6 +479,7 @@ def _backward_packed_kernel(fmt, width, values, lanes, warps):
     load = _packed_tile_load(fmt, width, values, lanes)
     _, unpack = packed_io(fmt, width, vectors)
     _, write = row_io(fmt, width)
+    _, row_sum = row_reductions(lanes)
 
     @device_function
     def store_tile(dx, ys, gs, vec, base, t, lane, n_vectors, log2b, log2v, dot, scale, shift):
@@ -506,7 +515,7 @@ def _backward_packed_kernel(fmt, width, values, lanes, warps):
                     for k in range(values):
                         acc += unpack(ys, k, HALF_SHIFT) * unpack(gs, k, HALF_SHIFT)
                     dot, lost = kahan_add(dot, lost, acc)
-                dot = lanes_sum(dot - lost)
+                dot = row_sum(dot - lost)
                 if tiles > 0:
                     store_tile(dx, ys, gs, vec, base, tiles - 1, lane, n_vectors, log2b, log2v, dot, scale, shift)
                 for t in range(tiles - 1):
@@ -541,25 +550,35 @@ def _packed(width: int, element_size: int) -> bool:
     return PACK_16BIT and element_size == 2 and width >= 2
 
 
-def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int, positive_scale: bool = True,
-                  causal: bool = False):
+def _row_lanes(row: float, element_size: int, block: int) -> int:
+    """Lanes per row on the GPU for rows of `row` elements on average (ROW_LANE_BYTES)."""
+    if ROW_LANE_BYTES is None:
+        return 32
+    share = max(1.0, row * element_size / ROW_LANE_BYTES)
+    return max(32 // block, min(32, 1 << round(math.log2(share))))
+
+
+def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int, block: int,
+                  positive_scale: bool = True, causal: bool = False):
     """(lanes per row, rows per thread block, grid, values per lane forward, backward) for `batch` times `rows`
-    rows of `row` elements on average read in vectors of `width`; 16-bit rows held as words (_packed) take
-    PACKED_VALUES, the forward only with a positive scale."""
+    rows of `row` elements on average, of blocks of `block`, read in vectors of `width`; 16-bit rows held as
+    words (_packed) take PACKED_VALUES, the forward only with a positive scale."""
     if SIMULATOR:
         floats = _floats((SIMULATOR_FLOATS,), row, SIMULATOR_LANES, width)
         return SIMULATOR_LANES, 1, (max(1, min(rows, SIMULATOR_GRID)), 1), floats, floats
-    grid = (max(1, min(-(-rows // WARPS), MAX_GRID)), max(1, min(batch, MAX_GRID_Y)))
+    lanes = _row_lanes(row, element_size, block)
+    per_block = WARPS * 32 // lanes
+    grid = (max(1, min(-(-rows // per_block), MAX_GRID)), max(1, min(batch, MAX_GRID_Y)))
     if not _packed(width, element_size):
-        return (32, WARPS, grid, _floats(FORWARD_FLOATS[element_size], row, 32, width),
-                _floats(BACKWARD_FLOATS[element_size], row, 32, width))
+        return (lanes, per_block, grid, _floats(FORWARD_FLOATS[element_size], row, lanes, width),
+                _floats(BACKWARD_FLOATS[element_size], row, lanes, width))
     if not positive_scale:
-        forward = _floats(FORWARD_FLOATS[element_size], row, 32, width)
+        forward = _floats(FORWARD_FLOATS[element_size], row, lanes, width)
     elif causal:
-        forward = _floats(PACKED_VALUES["causal"], row, 32, width)
+        forward = _floats(PACKED_VALUES["causal"], row, lanes, width)
     else:
-        forward = _floats(PACKED_VALUES["forward"], row, 32, width)
-    return 32, WARPS, grid, forward, _floats(PACKED_VALUES["backward"], row, 32, width, filled=True)
+        forward = _floats(PACKED_VALUES["forward"], row, lanes, width)
+    return lanes, per_block, grid, forward, _floats(PACKED_VALUES["backward"], row, lanes, width, filled=True)
 
 
 def _common(tensors, lut, positive_scale=True, causal=False):
@@ -570,7 +589,7 @@ def _common(tensors, lut, positive_scale=True, causal=False):
     rows = lut.heads * lut.block_rows * lut.block
     log2b = lut.block.bit_length() - 1
     sizes = (batch, rows, lut.nnz, log2b, log2b - (width.bit_length() - 1))
-    shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size(),
+    shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size(), lut.block,
                           positive_scale, causal)
     return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
