@@ -366,7 +366,8 @@ def test_packed_16bit_rows_on_every_path_and_cache(dtype):
 
 
 def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
-    """On a GPU, the first choice whose tile (32 lanes) holds the layout's mean row: float32 backward rows of 1040
+    """On a GPU, a warp a row (ROW_LANE_BYTES None), the first choice whose tile (32 lanes) holds the layout's mean
+    row: float32 backward rows of 1040
     elements on average take 32 values per lane (16 hold 512), rows of 467 take 16, the forward 16. 16-bit rows
     read in pairs are held as words: the forward 48 values for rows of 1040 (32 hold 1024), 16 for 467, 64 for
     rows longer than any choice holds; when causal 16 for 467, else 32; the backward the most whose tile the mean
@@ -375,37 +376,49 @@ def test_blocksparse_values_per_lane_follow_the_mean_row(monkeypatch):
     from multisoft_numba import blocksparse
 
     monkeypatch.setattr(blocksparse, "SIMULATOR", False)
-    shape = blocksparse._launch_shape
-    assert shape(1, 4096, 1040.0, 4, 4, 64)[3:] == (16, 32)
-    assert shape(1, 4096, 467.0, 4, 4, 64)[3:] == (16, 16)
-    assert shape(1, 4096, 1040.0, 8, 2, 64)[3:] == (48, 32)
-    assert shape(1, 4096, 1040.0, 8, 2, 64, causal=True)[3:] == (32, 32)
-    assert shape(1, 4096, 2100.0, 8, 2, 64)[3:] == (64, 64)
-    assert shape(1, 4096, 467.0, 8, 2, 64)[3:] == (16, 16)
-    assert shape(1, 4096, 467.0, 8, 2, 64, causal=True)[3:] == (16, 16)
-    assert shape(1, 4096, 2100.0, 8, 2, 64, causal=True)[3:] == (32, 64)
-    assert shape(1, 4096, 1040.0, 8, 2, 64, positive_scale=False)[3:] == (16, 32)
-    assert shape(1, 4096, 1040.0, 1, 2, 64)[3:] == (16, 16)
+    monkeypatch.setattr(blocksparse, "ROW_LANE_BYTES", {"forward": None, "backward": None})
+
+    def shape(*args, **kwargs):
+        """Values per lane, forward and backward."""
+        return tuple(blocksparse._launch_shape(*args, direction, **kwargs)[3]
+                     for direction in ("forward", "backward"))
+
+    assert shape(1, 4096, 1040.0, 4, 4, 64) == (16, 32)
+    assert shape(1, 4096, 467.0, 4, 4, 64) == (16, 16)
+    assert shape(1, 4096, 1040.0, 8, 2, 64) == (48, 32)
+    assert shape(1, 4096, 1040.0, 8, 2, 64, causal=True) == (32, 32)
+    assert shape(1, 4096, 2100.0, 8, 2, 64) == (64, 64)
+    assert shape(1, 4096, 467.0, 8, 2, 64) == (16, 16)
+    assert shape(1, 4096, 467.0, 8, 2, 64, causal=True) == (16, 16)
+    assert shape(1, 4096, 2100.0, 8, 2, 64, causal=True) == (32, 64)
+    assert shape(1, 4096, 1040.0, 8, 2, 64, positive_scale=False) == (16, 32)
+    assert shape(1, 4096, 1040.0, 1, 2, 64) == (16, 16)
     monkeypatch.setattr(blocksparse, "PACK_16BIT", False)
-    assert shape(1, 4096, 1040.0, 8, 2, 64)[3:] == (16, 16)
+    assert shape(1, 4096, 1040.0, 8, 2, 64) == (16, 16)
 
 
 def test_blocksparse_lanes_per_row_follow_the_mean_row(monkeypatch):
-    """On a GPU, a row takes the power of two of lanes nearest its mean bytes over ROW_LANE_BYTES (None: 32), at
-    most 32 and at least 32 / B (a warp's rows within one block-row); WARPS warps a block; the values per lane
-    chosen for the tile of those lanes."""
+    """On a GPU, a row takes the power of two of lanes nearest its mean bytes over ROW_LANE_BYTES of its direction
+    (None: 32), at most 32 and at least 32 / B (a warp's rows within one block-row); WARPS warps a block; the
+    values per lane chosen for the tile of those lanes."""
     from multisoft_numba import blocksparse
 
     monkeypatch.setattr(blocksparse, "SIMULATOR", False)
-    shape = blocksparse._launch_shape
+
+    def shape(*args):
+        return blocksparse._launch_shape(*args, "forward")
+
+    monkeypatch.setattr(blocksparse, "ROW_LANE_BYTES", {"forward": None, "backward": 64})
     assert shape(1, 4096, 460.0, 8, 2, 64)[:2] == (32, blocksparse.WARPS)
-    monkeypatch.setattr(blocksparse, "ROW_LANE_BYTES", 128)
+    assert blocksparse._launch_shape(1, 4096, 460.0, 8, 2, 64, "backward")[:2] == (16, blocksparse.WARPS * 2)
+    monkeypatch.setattr(blocksparse, "ROW_LANE_BYTES", {"forward": 128, "backward": None})
     assert shape(1, 4096, 460.0, 8, 2, 64)[:2] == (8, blocksparse.WARPS * 4)       # 920 bytes: 7.2 lanes
     assert shape(1, 4096, 460.0, 8, 2, 64)[3] == 64                                  # 8 x 64 hold 460
     assert shape(1, 4096, 460.0, 4, 4, 64)[:2] == (16, blocksparse.WARPS * 2)       # 14.4
     assert shape(1, 4096, 1 << 20, 4, 4, 64)[0] == 32
     assert shape(1, 4096, 16.0, 8, 2, 16)[0] == 2 and shape(1, 4096, 16.0, 8, 2, 128)[0] == 1
-    lanes, rows, grid, _, _ = shape(1, 4096, 460.0, 8, 2, 64)
+    assert blocksparse._launch_shape(1, 4096, 460.0, 8, 2, 64, "backward")[0] == 32
+    lanes, rows, grid, _ = shape(1, 4096, 460.0, 8, 2, 64)
     assert grid[0] == -(-4096 // rows)
 
 
@@ -423,7 +436,8 @@ def test_blocksparse_lanes_tiles_and_masked_rows(monkeypatch, dtype, is_causal, 
         pytest.skip("the simulator runs a row a block")
     for name, value in (("SIMULATOR_LANES", 4), ("SIMULATOR_FLOATS", 2), ("SIMULATOR_GRID", 3),
                         ("FORWARD_FLOATS", {4: (2,), 2: (2,)}), ("BACKWARD_FLOATS", {4: (2,), 2: (2,)}),
-                        ("MAX_GRID", 3), ("MAX_GRID_Y", 1), ("ROW_LANE_BYTES", row_lane_bytes)):
+                        ("MAX_GRID", 3), ("MAX_GRID_Y", 1),
+                        ("ROW_LANE_BYTES", {"forward": row_lane_bytes, "backward": row_lane_bytes})):
         monkeypatch.setattr(blocksparse, name, value)
     unaligned = dtype == "bfloat16-unaligned"
     dtype = torch.bfloat16 if unaligned else dtype
@@ -508,17 +522,16 @@ def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_cau
     x[1, 0, 5] = float("-inf")        # a row of the first block-row with every element -inf
     out = torch.empty_like(x)
     packed = dtype != torch.float32
-    shape = blocksparse._common((x, out), lut, True, is_causal)[3]
-    lanes, warps, _, forward_values, backward_values = shape
 
-    def stash_for(values, size):
-        """STASH_BYTES for the `kept` tiles of `values` a lane, and those tiles."""
+    def stash_for(direction, size):
+        """STASH_BYTES for the `kept` tiles of the `direction` kernel (its values a lane), and those tiles."""
+        lanes, rows, _, values = blocksparse._common((x, out), lut, direction, True, is_causal)[3]
         tiles = -(-lut.max_blocks * block // (lanes * values))
         assert tiles >= 3, "the longest row must have tiles kept and tiles read again"
         stash = {"one": 1, "all": tiles - 1}[kept]
-        return stash * warps * lanes * values * size, stash
+        return stash * rows * lanes * values * size, stash
 
-    stash_bytes, stash = stash_for(forward_values, 2 if packed else 4)
+    stash_bytes, stash = stash_for("forward", 2 if packed else 4)
     monkeypatch.setattr(blocksparse, "STASH_ROW", "longest")
     monkeypatch.setattr(blocksparse, "STASH_BYTES", stash_bytes)
     launched = []
@@ -530,7 +543,7 @@ def test_blocksparse_rows_keep_tiles_in_shared_memory(monkeypatch, dtype, is_cau
         return
     dy = torch.randn_like(out)
     dx = torch.empty_like(out)
-    stash_bytes, stash = stash_for(backward_values, 8)
+    stash_bytes, stash = stash_for("backward", 8)
     monkeypatch.setattr(blocksparse, "STASH_BYTES", stash_bytes)
     monkeypatch.setattr(blocksparse, "BACKWARD_STASH_TILES", stash)
     built = []

@@ -63,10 +63,14 @@ STASH_BYTES = 48 * 1024
 STASH_ROW = "mean"
 BACKWARD_STASH_TILES = 1
 WARPS = 4              # warps per thread block on the GPU
-# Lanes per row on the GPU: the power of two nearest the layout's mean row's bytes over ROW_LANE_BYTES (None: 32),
-# at most 32 and at least 32 / B (a warp's rows within one block-row): fewer lanes spread a row's fixed costs (its
-# set-up, its reductions) over more of its elements, several rows a warp.
-ROW_LANE_BYTES = None
+# Lanes per row on the GPU, by direction: the power of two nearest the layout's mean row's bytes over
+# ROW_LANE_BYTES (None: 32), at most 32 and at least 32 / B (a warp's rows within one block-row): fewer lanes spread
+# a row's fixed costs (its set-up, its reductions) over more of its elements, several rows a warp. Measured on an
+# H200 (tuning/numba-blocksparse-lanes.txt), against a warp a row: forward 128, bf16 0.53-0.87 -> 0.74-0.86 (11 %
+# 0.65 -> 0.86, causal 0.53 -> 0.81; the causal 25 % layouts +0.07-0.09), float32 11 % 0.90 -> 0.93 (causal 0.81 ->
+# 0.89), the rest level; backward 64, bf16 11 % 0.88 -> 0.94 (causal 0.85 -> 0.89), the rest level (128 lost 0.05-0.07
+# on the bf16 b32-b128 layouts, 256 lost everywhere).
+ROW_LANE_BYTES = {"forward": 128, "backward": 64}
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
 # The simulator runs a thread per lane and pays for every one and for every barrier: one
@@ -550,53 +554,52 @@ def _packed(width: int, element_size: int) -> bool:
     return PACK_16BIT and element_size == 2 and width >= 2
 
 
-def _row_lanes(row: float, element_size: int, block: int) -> int:
+def _row_lanes(row: float, element_size: int, block: int, direction: str) -> int:
     """Lanes per row on the GPU for rows of `row` elements on average (ROW_LANE_BYTES)."""
-    if ROW_LANE_BYTES is None:
+    per_lane = ROW_LANE_BYTES[direction]
+    if per_lane is None:
         return 32
-    share = max(1.0, row * element_size / ROW_LANE_BYTES)
+    share = max(1.0, row * element_size / per_lane)
     return max(32 // block, min(32, 1 << round(math.log2(share))))
 
 
-def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int, block: int,
+def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: int, block: int, direction: str,
                   positive_scale: bool = True, causal: bool = False):
-    """(lanes per row, rows per thread block, grid, values per lane forward, backward) for `batch` times `rows`
-    rows of `row` elements on average, of blocks of `block`, read in vectors of `width`; 16-bit rows held as
-    words (_packed) take PACKED_VALUES, the forward only with a positive scale."""
+    """(lanes per row, rows per thread block, grid, values per lane) of the `direction` kernel for `batch` times
+    `rows` rows of `row` elements on average, of blocks of `block`, read in vectors of `width`; 16-bit rows held
+    as words (_packed) take PACKED_VALUES, the forward only with a positive scale."""
     if SIMULATOR:
         floats = _floats((SIMULATOR_FLOATS,), row, SIMULATOR_LANES, width)
-        return SIMULATOR_LANES, 1, (max(1, min(rows, SIMULATOR_GRID)), 1), floats, floats
-    lanes = _row_lanes(row, element_size, block)
+        return SIMULATOR_LANES, 1, (max(1, min(rows, SIMULATOR_GRID)), 1), floats
+    lanes = _row_lanes(row, element_size, block, direction)
     per_block = WARPS * 32 // lanes
     grid = (max(1, min(-(-rows // per_block), MAX_GRID)), max(1, min(batch, MAX_GRID_Y)))
-    if not _packed(width, element_size):
-        return (lanes, per_block, grid, _floats(FORWARD_FLOATS[element_size], row, lanes, width),
-                _floats(BACKWARD_FLOATS[element_size], row, lanes, width))
-    if not positive_scale:
-        forward = _floats(FORWARD_FLOATS[element_size], row, lanes, width)
-    elif causal:
-        forward = _floats(PACKED_VALUES["causal"], row, lanes, width)
-    else:
-        forward = _floats(PACKED_VALUES["forward"], row, lanes, width)
-    return lanes, per_block, grid, forward, _floats(PACKED_VALUES["backward"], row, lanes, width, filled=True)
+    if not _packed(width, element_size) or (direction == "forward" and not positive_scale):
+        choices = FORWARD_FLOATS if direction == "forward" else BACKWARD_FLOATS
+        return lanes, per_block, grid, _floats(choices[element_size], row, lanes, width)
+    if direction == "backward":
+        return lanes, per_block, grid, _floats(PACKED_VALUES["backward"], row, lanes, width, filled=True)
+    return lanes, per_block, grid, _floats(PACKED_VALUES["causal" if causal else "forward"], row, lanes, width)
 
 
-def _common(tensors, lut, positive_scale=True, causal=False):
+def _common(tensors, lut, direction, positive_scale=True, causal=False):
     """(element format, vector width (at most B: no vector crosses blocks), 1-D word views,
-    launch shape, sizes: batch, rows per batch entry, nnz, log2 B, log2 of the vectors per block row)."""
+    launch shape of the `direction` kernel, sizes: batch, rows per batch entry, nnz, log2 B, log2 of the vectors
+    per block row)."""
     fmt, width, views = vector_views(tuple(t.view(-1) for t in tensors), lut.block)
     batch = tensors[0].shape[0]
     rows = lut.heads * lut.block_rows * lut.block
     log2b = lut.block.bit_length() - 1
     sizes = (batch, rows, lut.nnz, log2b, log2b - (width.bit_length() - 1))
     shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size(), lut.block,
-                          positive_scale, causal)
+                          direction, positive_scale, causal)
     return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
-    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, scale > 0, is_causal)
-    lanes, warps, grid, floats, _ = shape
+    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, "forward", scale > 0,
+                                                                         is_causal)
+    lanes, warps, grid, floats = shape
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
     packed = _packed(width, x.element_size()) and scale > 0
     build = _forward_packed_kernel if packed else _forward_kernel
@@ -608,7 +611,7 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
 
 
 def backward(y, dy, dx, lut, scale: float) -> None:
-    fmt, width, views, (lanes, warps, grid, _, floats), sizes = _common((y, dy, dx), lut)
+    fmt, width, views, (lanes, warps, grid, floats), sizes = _common((y, dy, dx), lut, "backward")
     args = (*views, lut.offsets, *sizes, numpy.float32(scale))
     if _packed(width, y.element_size()):
         launch(_backward_packed_kernel(fmt, width, floats, lanes, warps), grid, lanes * warps, args)

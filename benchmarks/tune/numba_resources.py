@@ -92,17 +92,18 @@ def blocksparse_configurations():
     found = []
     for fmt, name, width in ((FP32, "fp32", 4), (BF16, "bf16", 8)):
         arr = words[fmt]
-        lanes, warps, _, _, backward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width)
+        lanes, warps, _, backward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width, 64, "backward")
         packed = blocksparse._packed(width, 16 // width)
         build_forward = blocksparse._forward_packed_kernel if packed else blocksparse._forward_kernel
         build_backward = blocksparse._backward_packed_kernel if packed else blocksparse._backward_kernel
         tag = "-words" if packed else ""
         for causal in (False, True):
-            forward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width, causal=causal)[3]
+            f_lanes, f_warps, _, forward = blocksparse._launch_shape(1, 1 << 20, 1040, width, 16 // width, 64,
+                                                                     "forward", causal=causal)
             found.append((f"bs-fwd-{name}{'-causal' if causal else ''}{tag}-{forward}",
-                          build_forward(fmt, width, causal, forward, lanes, warps),
+                          build_forward(fmt, width, causal, forward, f_lanes, f_warps),
                           (arr, arr, table, table, *sizes[:3], types.int64, types.int64, types.float32, types.int64),
-                          lanes * warps))
+                          f_lanes * f_warps))
         for stash in (0,) if packed else (0, blocksparse.BACKWARD_STASH_TILES):
             found.append((f"bs-bwd-{name}{tag}-{backward}{f'-stash{stash}' if stash else ''}",
                           build_backward(fmt, width, backward, lanes, warps, *([stash] if stash else [])),
