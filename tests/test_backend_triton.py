@@ -286,16 +286,18 @@ def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("kernels, is_causal", [("rows", False), ("rows", True), ("one-row-programs", True),
+                                                ("across", False), ("across", True),
                                                 ("backward-tiles", False), ("backward-tiles", True)],
-                         ids=["rows-full", "rows-causal", "one-row-programs-causal", "backward-tiles-full",
-                              "backward-tiles-causal"])
+                         ids=["rows-full", "rows-causal", "one-row-programs-causal", "across-full", "across-causal",
+                              "backward-tiles-full", "backward-tiles-causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypatch):
     """Block-rows of 1..47 blocks (and an empty one), in shuffled columns (causal: some rows fully masked, some
     masked from a block on), on the row kernels holding 8 blocks (most rows streamed): both directions at 4 rows a
     program, the forward with a scale of each sign; the causal forward at one row a program (the interpreter runs
-    4x the programs: one mask, not both); the backward on the tile and loop kernels, in launches by length, the
-    longest on the loop path."""
+    4x the programs: one mask, not both); the forward with its rows across a warp's lanes (8 float32 or 16 bf16 rows
+    a program, 64 elements of each held), a scale of each sign; the backward on the tile and loop kernels, in
+    launches by length, the longest on the loop path."""
     import multisoft
     from multisoft._blocksparse import lookup_table
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
@@ -304,6 +306,9 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
     monkeypatch.setattr(blocksparse, "ROW_BACKWARD", "tiles" if kernels == "backward-tiles" else "rows")
     if kernels == "one-row-programs":
         monkeypatch.setattr(blocksparse, "FORWARD_ONE_ROW_FROM", {4: 16, 2: 16})
+    if kernels == "across":
+        monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_WARPS", {4: 1, 2: 1})
+        monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_HELD", 64)
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
     monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
     monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {4: 0.0, 2: 0.0})
@@ -321,11 +326,11 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
         y = reference_blocksparse(x, layout, block, 0.5, is_causal).to(dtype)
     else:
         # the streamed parts' max is a min for a negative scale; 0: the kernel forms the scores
-        for scale in (-0.5, 0.0, 0.5) if kernels == "rows" else (0.5,):
+        for scale in (-0.5, 0.0, 0.5) if kernels in ("rows", "across") else (0.5,):
             y = multisoft.blocksparse_softmax(x, layout, block, scale=scale, is_causal=is_causal, backend="triton")
             _, ratio = error_ratio(y, reference_blocksparse(x, layout, block, scale, is_causal), dtype)
             assert ratio <= 1, f"forward, scale {scale}: {ratio:.3g} x the tolerance"
-    if kernels == "one-row-programs":   # the backward takes ROW_WARPS rows a program whatever the layout
+    if kernels in ("one-row-programs", "across"):   # the backward takes ROW_WARPS rows a program whatever the layout
         return
     dy = torch.randn_like(y)
     dx = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=0.5, backend="triton")

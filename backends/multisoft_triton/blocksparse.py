@@ -109,6 +109,10 @@ ROW_WARPS = 4
 # 0.84); bf16 b16-b64 0.01-0.14 slower but causal b64 (+0.02). 8 or 2 rows a program, 2 or 4 on the long rows, and
 # holding 256 or 1024 elements lost.
 FORWARD_ONE_ROW_FROM = {4: 64, 2: 128}
+# The forward's rows across a warp's lanes, by element size: None (a warp a row), or the warps of a program, which
+# then holds as many rows as fill their lanes with the rows' 16-byte pieces of a block.
+FORWARD_ACROSS_WARPS = {4: None, 2: None}
+FORWARD_ACROSS_HELD = 512   # elements of a row held in registers there (ROW_HELD's rule otherwise)
 LOG2E = 1.4426950408889634
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
@@ -127,37 +131,57 @@ def _row_program(offsets_ptr, ROWS: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _row_slab(start, count, i, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
+def _row_slab(start, count, i, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr,
+              ACROSS: tl.constexpr):
     """Offsets and mask of the [ROWS, BLOCKS, B] slab of rows i (of the block-row that starts at block `start` and
-    has `count` blocks) from block first_block."""
+    has `count` blocks) from block first_block; ACROSS: as [BLOCKS, ROWS, B], so that the rows lie across a warp's
+    lanes (the rows of a block are consecutive in memory)."""
     k = first_block + tl.arange(0, BLOCKS)
     j = tl.arange(0, B)
     z = tl.program_id(1).to(tl.int64)
     base = (z * nnz + start + k) * (B * B)
+    if ACROSS:
+        return base[:, None, None] + (i * B)[None, :, None] + j[None, None, :], (k < count)[:, None, None]
     offsets = base[None, :, None] + (i * B)[:, None, None] + j[None, None, :]
     return offsets, (k < count)[None, :, None]
+
+
+@triton.jit
+def _per_row(v, ACROSS: tl.constexpr):
+    """A value per row, shaped to broadcast over a slab of _row_slab."""
+    if ACROSS:
+        return v[None, :, None]
+    return v[:, None, None]
+
+
+@triton.jit
+def _row_sum(x, ACROSS: tl.constexpr):
+    """The sum over each row of a slab of _row_slab."""
+    if ACROSS:
+        return tl.sum(tl.sum(x, axis=2), axis=0)
+    return tl.sum(tl.sum(x, axis=2), axis=1)
 
 
 @triton.jit
 def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, scale, zero,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, RAW: tl.constexpr):
     _, start, count, i = _row_program(offsets_ptr, ROWS, B)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, False)
     y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0)
     dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
     dot = tl.sum(tl.sum(y0.to(tl.float32) * dy0.to(tl.float32), axis=2), axis=1)
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, False)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dot += tl.sum(tl.sum(y * dy, axis=2), axis=1)
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, False)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dx = scale * y * (dy - dot[:, None, None])
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, False)
     dx0 = scale * widen(y0, zero, RAW) * (widen(dy0, zero, RAW) - dot[:, None, None])
     tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -171,7 +195,7 @@ def _causal_kept(causal_ptr, group, i, B: tl.constexpr):
 
 @triton.jit
 def _row_values(x_ptr, offsets, mask, kept, first_block, SIGN: tl.constexpr, BLOCKS: tl.constexpr,
-                B: tl.constexpr, CAUSAL: tl.constexpr):
+                B: tl.constexpr, CAUSAL: tl.constexpr, ACROSS: tl.constexpr):
     """Rows i's values as loaded, where masked (past the row's blocks or, causal, past its kept prefix) the value
     that a scale of sign SIGN sends to -inf: -inf, or +inf for a negative scale. For a zero scale (SIGN 0): the
     scores 0 * x themselves, as float32 (0, or NaN where x is not finite), -inf where masked."""
@@ -182,7 +206,10 @@ def _row_values(x_ptr, offsets, mask, kept, first_block, SIGN: tl.constexpr, BLO
     x = tl.load(x_ptr + offsets, mask=mask, other=worst)
     if CAUSAL:
         position = (first_block + tl.arange(0, BLOCKS))[:, None] * B + tl.arange(0, B)[None, :]
-        keep = position[None, :, :] < kept[:, None, None]
+        if ACROSS:
+            keep = position[:, None, :] < kept[None, :, None]
+        else:
+            keep = position[None, :, :] < kept[:, None, None]
         mask = mask & keep
         if SIGN != 0:
             x = tl.where(keep, x, worst)
@@ -192,72 +219,81 @@ def _row_values(x_ptr, offsets, mask, kept, first_block, SIGN: tl.constexpr, BLO
 
 
 @triton.jit
-def _row_top(x, c, SIGN: tl.constexpr):
+def _row_top(x, c, SIGN: tl.constexpr, ACROSS: tl.constexpr):
     """The max over each row of c * x (with c > 0, or c < 0 for SIGN -1), from _row_values."""
     if SIGN < 0:
-        top = tl.min(tl.min(x, axis=2), axis=1)
+        top = tl.min(x, axis=2)
     else:
-        top = tl.max(tl.max(x, axis=2), axis=1)
+        top = tl.max(x, axis=2)
+    if ACROSS:
+        if SIGN < 0:
+            top = tl.min(top, axis=0)
+        else:
+            top = tl.max(top, axis=0)
+    elif SIGN < 0:
+        top = tl.min(top, axis=1)
+    else:
+        top = tl.max(top, axis=1)
     return top.to(tl.float32) * c
 
 
 @triton.jit
 def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
-                     B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr):
+                     B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr, ACROSS: tl.constexpr):
     """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
     the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
     running max of c * x. The held blocks' terms stay in registers; the rest of a longer row is streamed for an
-    online max and sum, then again for its output."""
+    online max and sum, then again for its output. ACROSS: the rows lie across a warp's lanes (_row_slab)."""
     group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     kept = i
     if CAUSAL:
         kept = _causal_kept(causal_ptr, group, i, B)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
-    x0 = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL)
-    held_max = _row_top(x0, c, SIGN)
-    e0 = fast_exp2(x0.to(tl.float32) * c - safe_shift(held_max)[:, None, None])
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, ACROSS)
+    x0 = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL, ACROSS)
+    held_max = _row_top(x0, c, SIGN, ACROSS)
+    e0 = fast_exp2(x0.to(tl.float32) * c - _per_row(safe_shift(held_max), ACROSS))
     run_max = held_max
-    run_sum = tl.sum(tl.sum(e0, axis=2), axis=1)
+    run_sum = _row_sum(e0, ACROSS)
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL)
-        new_max = tl.maximum(run_max, _row_top(x, c, SIGN))
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, ACROSS)
+        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, ACROSS)
+        new_max = tl.maximum(run_max, _row_top(x, c, SIGN, ACROSS))
         shift = safe_shift(new_max)
-        terms = fast_exp2(x.to(tl.float32) * c - shift[:, None, None])
-        run_sum = run_sum * fast_exp2(run_max - shift) + tl.sum(tl.sum(terms, axis=2), axis=1)
+        terms = fast_exp2(x.to(tl.float32) * c - _per_row(shift, ACROSS))
+        run_sum = run_sum * fast_exp2(run_max - shift) + _row_sum(terms, ACROSS)
         run_max = new_max
     safe_max = safe_shift(run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL)
-        y = fast_exp2(x.to(tl.float32) * c - safe_max[:, None, None]) * inverse[:, None, None]
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, ACROSS)
+        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, ACROSS)
+        y = fast_exp2(x.to(tl.float32) * c - _per_row(safe_max, ACROSS)) * _per_row(inverse, ACROSS)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, ACROSS)
     # 2**(c * x0 - safe_max) = e0 * 2**(held_max - safe_max); a held part with no unmasked element gives 0
     held_scale = fast_exp2(held_max - safe_max) * inverse
-    tl.store(out_ptr + offsets, (e0 * held_scale[:, None, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, (e0 * _per_row(held_scale, ACROSS)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _row_blocks(lut, element_size):
-    """Blocks of each row that the backward's row kernels hold (see ROW_HELD)."""
+def _row_blocks(lut, element_size, held=None):
+    """Blocks of each row that the row kernels hold (see ROW_HELD; `held` elements if given)."""
     mean_row = lut.mean_blocks * lut.block
-    held = ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD
+    held = held or (ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD)
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
-def _launch_rows(kernel, lut, tensors, scale, *extra, rows, **constexprs):
-    """One program per `rows` rows of a block-row, a warp a row, holding _row_blocks of each; `extra` are the
-    kernel's arguments after the scale."""
+def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, held=None, **constexprs):
+    """One program per `rows` rows of a block-row, a warp a row (or `warps` warps in all), holding _row_blocks of
+    each; `extra` are the kernel's arguments after the scale."""
     block = lut.block
-    blocks = _row_blocks(lut, tensors[0].element_size())
+    blocks = _row_blocks(lut, tensors[0].element_size(), held)
     rows = min(block, rows)
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra,
-                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=rows, **LAUNCH, **constexprs)
+                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=warps or rows, **LAUNCH, **constexprs)
 
 
 def _plan(blocks, block):
@@ -327,10 +363,16 @@ def _launch(kernels, lut, tensors, scale):
 def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     sign = (scale > 0) - (scale < 0)
+    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal)
+    across = FORWARD_ACROSS_WARPS[x.element_size()]
+    if across:
+        # a warp holds 16-byte pieces of its rows' blocks: 32 of them, of B // per_piece rows
+        rows = min(lut.block, across * 32 * (16 // x.element_size()) // lut.block)
+        _launch_rows(*args, rows=max(1, rows), warps=across, held=FORWARD_ACROSS_HELD, CAUSAL=bool(is_causal),
+                     SIGN=sign, ACROSS=True)
+        return
     one_row = lut.block >= FORWARD_ONE_ROW_FROM[x.element_size()] or lut.mean_blocks * lut.block >= ROW_LONG
-    rows = 1 if one_row else ROW_WARPS
-    _launch_rows(_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal, rows=rows,
-                 CAUSAL=bool(is_causal), SIGN=sign)
+    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign, ACROSS=False)
 
 
 def backward(y, dy, dx, lut, scale):
