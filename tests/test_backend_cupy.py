@@ -540,13 +540,16 @@ def test_blocksparse_rows_of_several_tiles(dtype, unaligned, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backward_lane_bytes", [None, 1e9], ids=["warp", "fewest"])
 @pytest.mark.parametrize("cfg", _catalog.BLOCKSPARSE_CONFIGS, ids=lambda c: f"vpt{c.vpt}")
-def test_blocksparse_every_tile_size(cfg, dtype, monkeypatch):
+def test_blocksparse_every_tile_size(cfg, backward_lane_bytes, dtype, monkeypatch):
     """Each compiled tile size, forward and backward, on rows of one to several tiles (whichever the layout's mean
-    row would choose), with and without the causal mask and with a negative scale."""
+    row would choose), with and without the causal mask and with a negative scale; the backward a warp a row or
+    with the fewest lanes a row (a block's row: 2 bf16, 4 float32 vectors; 16 or 8 rows a warp)."""
     _, _, blocksparse = _kernels()
     monkeypatch.setattr(blocksparse, "STAGED", False)
     monkeypatch.setattr(_catalog, "blocksparse_config", lambda *_: cfg)
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_BACKWARD_LANE_BYTES", backward_lane_bytes)
     g = torch.Generator().manual_seed(cfg.vpt)
     layout = random_layout(2, 6, 160, g)
     layout[1, 5, :5] = 0
@@ -645,6 +648,23 @@ def test_blocksparse_staged_lanes_per_row(lane_vectors, monkeypatch):
                 assert cfg.row_stride == cfg.cap + (cfg.lanes if cfg.lanes < 8 else 0)
                 assert cfg.shared_bytes == cfg.rows * cfg.row_stride * 16
                 assert cfg.shared_bytes <= _catalog.STAGED_BLOCK_BYTES or cfg.lanes == 32
+
+
+def test_blocksparse_backward_lanes_per_row(monkeypatch):
+    """The backward's lanes per row: the power of two nearest the mean row's bytes over
+    BLOCKSPARSE_BACKWARD_LANE_BYTES (None: 32), at most 32, at least a block's row of vectors and 32 / B."""
+    lanes = _catalog.blocksparse_backward_lanes
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_BACKWARD_LANE_BYTES", None)
+    assert {lanes(mean, block, 2) for mean in (16, 450, 4096) for block in (16, 128)} == {32}
+    monkeypatch.setattr(_catalog, "BLOCKSPARSE_BACKWARD_LANE_BYTES", 64)
+    assert lanes(450, 64, 2) == 16 and lanes(450, 64, 4) == 32   # 900 bytes: 14.1; 1800: 28.1
+    assert lanes(16, 16, 2) == 2 and lanes(16, 16, 4) == 4       # a block's row: 2 or 4 vectors
+    assert lanes(128, 128, 2) == 16 and lanes(1 << 20, 16, 2) == 32
+    for block in (16, 32, 64, 128):
+        for elem in (2, 4):
+            for mean in (16, 100, 450, 1024, 8192):
+                n = lanes(mean, block, elem)
+                assert 32 % n == 0 and block % (32 // n) == 0 and n >= block * elem // 16
 
 
 @gpu

@@ -73,6 +73,8 @@ SOFTMAX_RULES = (
     ("bwd", 2, 128, 256, RowConfig(16, 8, 2)),
 )
 CE_FWD_RULES: tuple = ()
+# The block-sparse backward's lanes per row: see blocksparse_backward_lanes.
+BLOCKSPARSE_BACKWARD_LANE_BYTES = None
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 5), RowConfig(32, 4, 8),
                        RowConfig(32, 4, 16))
 
@@ -381,6 +383,16 @@ def blocksparse_floats(choices: tuple, mean_row: float) -> int:
     """Values per thread: the first of `choices` whose tile (a warp's share of a row) holds `mean_row` elements,
     else the last."""
     return next((floats for floats in choices if 32 * floats >= mean_row), choices[-1])
+
+
+def blocksparse_backward_lanes(mean_row: float, block: int, elem_size: int) -> int:
+    """Lanes per row of the backward (register kernel): the power of two nearest the mean row's bytes over
+    BLOCKSPARSE_BACKWARD_LANE_BYTES (None: 32), at most 32, at least the vectors of a block's row and 32 / B (a
+    warp's rows within one block-row)."""
+    if BLOCKSPARSE_BACKWARD_LANE_BYTES is None:
+        return 32
+    share = max(1.0, mean_row * elem_size / BLOCKSPARSE_BACKWARD_LANE_BYTES)
+    return max(32 // block, block * elem_size // 16, min(32, 1 << round(math.log2(share))))
 
 
 def blocksparse_config(row_length: float, elem_size: int, floats_per_thread: int) -> RowConfig:

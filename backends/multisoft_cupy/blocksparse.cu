@@ -78,13 +78,28 @@ __device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {
     }
 }
 
+// The max and sum of one value over each aligned group of `lanes` lanes (a power of two), every lane of the warp
+// taking part; and the max over the warp of one int that is the same across each group.
+__device__ __forceinline__ float group_max(float v, int lanes) {
+    for (int o = lanes / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float group_sum(float v, int lanes) {
+    for (int o = lanes / 2; o > 0; o /= 2) v += __shfl_xor_sync(MS_FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ int groups_max(int v, int lanes) {
+    for (int o = 16; o >= lanes; o /= 2) v = max(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
+    return v;
+}
+
 // One lane's share of one row: its vector of step s is at element offset(s) when has(s).
 struct BsRow {
     i64 lane_offset;  // this lane's vector at step 0
     i64 stride;       // elements between a lane's steps (WB blocks)
     int first;        // the block-row's first block (index into columns[])
     int blocks;       // blocks in the row
-    int wb, log2wb;   // blocks per step
+    int wb, log2wb;   // blocks per step (lanes / (B / VEC))
     int lane_block;   // the lane's block within a step
     int col;          // the lane's first column inside a block
     int abs_row;      // r * B + i: the row's place in the attention matrix (for causal masks)
@@ -100,9 +115,10 @@ struct BsRow {
     }
 };
 
+// Row rid's share for lane `lane` of the row's 2^log2lanes lanes (at least the B / VEC vectors of a block's row).
 template <int LOG2VEC>
 __device__ __forceinline__ BsRow bs_row(const int* offsets, i64 rid, i64 nnz, i64 groups, int block_rows, int log2b,
-                                        int lane) {
+                                        int lane, int log2lanes) {
     const int log2vpb = log2b - LOG2VEC;
     i64 z, hr, r_, unused;
     divmod(rid >> log2b, groups, z, hr);
@@ -112,7 +128,7 @@ __device__ __forceinline__ BsRow bs_row(const int* offsets, i64 rid, i64 nnz, i6
     BsRow row;
     row.first = o0;
     row.blocks = o1 - o0;
-    row.log2wb = 5 - log2vpb;
+    row.log2wb = log2lanes - log2vpb;
     row.wb = 1 << row.log2wb;
     row.lane_block = lane >> log2vpb;
     row.col = (lane & ((1 << log2vpb) - 1)) << LOG2VEC;
@@ -229,7 +245,7 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_fwd(const T* x, T* out, const int* 
     const i64 total_rows = (Z * groups) << log2b;
     const bool masked = causal != 0 || scale == 0.f;
     for (i64 rid = (i64)blockIdx.x * ROWS + threadIdx.x / 32; rid < total_rows; rid += (i64)gridDim.x * ROWS) {
-        const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b, lane);
+        const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b, lane, 5);
         if (vec_ok) {
             if (masked) bs_fwd_row<T, VPT, true, true>(x, out, row, columns, log2b, scale, causal != 0);
             else bs_fwd_row<T, VPT, true, false>(x, out, row, columns, log2b, scale, false);
@@ -242,7 +258,7 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_fwd(const T* x, T* out, const int* 
 
 // dx = scale * y * (dy - sum_row(y * dy)) of one row; the last tile stays in registers as raw words.
 template <typename T, int VPT, bool VECTOR>
-__device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const BsRow& row, float scale) {
+__device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const BsRow& row, float scale, int lanes) {
     using V = BsVec<T>;
     constexpr int VEC = V::VEC;
     const int ntiles = row.template tiles<VPT>();
@@ -265,7 +281,7 @@ __device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const
 #pragma unroll
             for (int e = 0; e < VEC; ++e) acc += V::get(qy[k], e) * V::get(qd[k], e);
     }
-    const float dot = warp_sum(acc);
+    const float dot = group_sum(acc, lanes);
     for (int t = ntiles - 1; t >= 0; --t) {
         if (t != ntiles - 1) load(t);
 #pragma unroll
@@ -279,16 +295,20 @@ __device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const
     }
 }
 
+// 2^log2lanes lanes a row (32 / lanes rows of one block-row a warp, ROWS warps a block).
 template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_bwd(const T* y, const T* dy, T* dx, const int* offsets, i64 Z, i64 nnz, i64 groups,
-                                 int block_rows, int log2b, float scale, int vec_ok) {
-    static_assert(TPR == 32, "a warp per row");
-    const int lane = threadIdx.x % 32;
+                                 int block_rows, int log2b, float scale, int vec_ok, int log2lanes) {
+    static_assert(TPR == 32, "warps of rows");
+    const int lanes = 1 << log2lanes;
+    const int lane = threadIdx.x & (lanes - 1);
+    const int per_block = ROWS << (5 - log2lanes);
     const i64 total_rows = (Z * groups) << log2b;
-    for (i64 rid = (i64)blockIdx.x * ROWS + threadIdx.x / 32; rid < total_rows; rid += (i64)gridDim.x * ROWS) {
-        const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b, lane);
-        if (vec_ok) bs_bwd_row<T, VPT, true>(y, dy, dx, row, scale);
-        else bs_bwd_row<T, VPT, false>(y, dy, dx, row, scale);
+    for (i64 rid = (i64)blockIdx.x * per_block + (threadIdx.x >> log2lanes); rid < total_rows;
+         rid += (i64)gridDim.x * per_block) {
+        const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b, lane, log2lanes);
+        if (vec_ok) bs_bwd_row<T, VPT, true>(y, dy, dx, row, scale, lanes);
+        else bs_bwd_row<T, VPT, false>(y, dy, dx, row, scale, lanes);
     }
 }
 
@@ -341,21 +361,6 @@ template <typename T, int LOG2VEC>
 __device__ __forceinline__ void bs_stage(uint4* buf, const T* src, const BsStagedRow<LOG2VEC>& row, int first,
                                          int count, int lane, int lanes) {
     for (int v = lane; v < count; v += lanes) cp_async16(buf + v, src + row.offset(first + v));
-}
-
-// The max and sum of one value over each aligned group of `lanes` lanes (a power of two), every lane of the warp
-// taking part; and the max over the warp of one int that is the same across each group.
-__device__ __forceinline__ float group_max(float v, int lanes) {
-    for (int o = lanes / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
-    return v;
-}
-__device__ __forceinline__ float group_sum(float v, int lanes) {
-    for (int o = lanes / 2; o > 0; o /= 2) v += __shfl_xor_sync(MS_FULL_MASK, v, o);
-    return v;
-}
-__device__ __forceinline__ int groups_max(int v, int lanes) {
-    for (int o = 16; o >= lanes; o /= 2) v = max(v, __shfl_xor_sync(MS_FULL_MASK, v, o));
-    return v;
 }
 
 // The largest score (scale * x) among a staged vector's elements 0 .. valid - 1, as the raw word(s) that hold

@@ -38,11 +38,14 @@ def _staged_config(x: torch.Tensor, out: torch.Tensor, lut):
                                               x.element_size(), cc, lut.block)
 
 
-def _row_config(data: torch.Tensor, lut, choices: dict) -> tuple:
+def _row_config(data: torch.Tensor, lut, choices: dict, lanes: int = 32) -> tuple:
+    """The register kernel's configuration and grid for `lanes` lanes a row: the values a thread holds and the
+    tile chosen for the mean row as a warp's share would hold it."""
     rows, _, _ = _sizes(data, lut)
-    floats = _catalog.blocksparse_floats(choices[data.element_size()], lut.mean_blocks * lut.block)
-    cfg = _catalog.blocksparse_config(lut.mean_blocks * lut.block, data.element_size(), floats)
-    return cfg, (_catalog.grid_blocks(rows, cfg), 1, 1)
+    share = lut.mean_blocks * lut.block * 32 / lanes
+    floats = _catalog.blocksparse_floats(choices[data.element_size()], share)
+    cfg = _catalog.blocksparse_config(share, data.element_size(), floats)
+    return cfg, (_catalog.grid_blocks(rows * lanes // 32, cfg), 1, 1)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
@@ -62,7 +65,8 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
 
 def backward(y, dy, dx, lut, scale: float) -> None:
     _, sizes, log2b = _sizes(y, lut)
-    cfg, grid = _row_config(y, lut, BACKWARD_FLOATS)
+    lanes = _catalog.blocksparse_backward_lanes(lut.mean_blocks * lut.block, lut.block, y.element_size())
+    cfg, grid = _row_config(y, lut, BACKWARD_FLOATS, lanes)
     args = (ptr(y), ptr(dy), ptr(dx), ptr(lut.offsets), *sizes, i32(lut.block_rows), log2b, f32(scale),
-            i32(aligned(y, dy, dx)))
+            i32(aligned(y, dy, dx)), i32(lanes.bit_length() - 1))
     launch(y, SOURCE, _catalog.blocksparse_kernel("bwd", ctype(y.dtype), cfg), grid, (cfg.threads, 1, 1), args)

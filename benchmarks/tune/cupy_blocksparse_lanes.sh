@@ -3,13 +3,24 @@
 # since replaced, see tuning/cupy-blocksparse-lanes.txt): lanes per row set by the blocks a step covers. ROUND 2:
 # lanes per row the power of two nearest the mean row's vectors over BLOCKSPARSE_STAGED_LANE_VECTORS (4, 8, 16),
 # staged on every layout (BLOCKSPARSE_STAGED_FROM 0), 2 or 4 warps a block, against a warp a row (None) on the
-# layouts with a mean row of 512 or more (the 11 % ones then take the register kernel).
+# layouts with a mean row of 512 or more (the 11 % ones then take the register kernel). ROUND 3: the backward
+# (register kernel) with lanes per row the power of two nearest the mean row's bytes over
+# BLOCKSPARSE_BACKWARD_LANE_BYTES (64, 128, 256) against a warp a row (None).
 # Writes $OUT/cupy_blocksparse_lanes_round$ROUND.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
-ROUND=${ROUND:-2}
+ROUND=${ROUND:-3}
 mkdir -p "$OUT"
 C='import multisoft_cupy._catalog as c'
+if [ "$ROUND" = 3 ]; then
+  VARIANTS=()
+  for v in None 64 128 256; do
+    VARIANTS+=(--variant "b$v:$C; c.BLOCKSPARSE_BACKWARD_LANE_BYTES = $v")
+  done
+  python3 benchmarks/tune/tune.py --backend cupy --ops blocksparse_softmax --dtypes fp32,bf16 \
+    --directions backward --csv "$OUT/cupy_blocksparse_lanes_round$ROUND.csv" "${VARIANTS[@]}" || echo "tune failed: rc=$?"
+  exit 0
+fi
 if [ "$ROUND" != 2 ]; then
   echo "round 1 set BLOCKSPARSE_STAGED_STEP_BLOCKS, since replaced: see tuning/cupy-blocksparse-lanes.txt"
   exit 1
