@@ -296,7 +296,7 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
     masked from a block on), on the row kernels holding 8 blocks (most rows streamed): both directions at 4 rows a
     program, the forward with a scale of each sign; the causal forward at one row a program (the interpreter runs
     4x the programs: one mask, not both); the forward with its rows across a warp's lanes (8 float32 or 16 bf16 rows
-    a program, 64 elements of each held), a scale of each sign; the backward on the tile and loop kernels, in
+    a program, 4 blocks of each held), a scale of each sign; the backward on the tile and loop kernels, in
     launches by length, the longest on the loop path."""
     import multisoft
     from multisoft._blocksparse import lookup_table
@@ -308,7 +308,7 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
         monkeypatch.setattr(blocksparse, "FORWARD_ONE_ROW_FROM", {4: 16, 2: 16})
     if kernels == "across":
         monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_WARPS", {4: 1, 2: 1})
-        monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_HELD", 64)
+        monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", 4)
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
     monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
     monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {4: 0.0, 2: 0.0})

@@ -112,7 +112,7 @@ FORWARD_ONE_ROW_FROM = {4: 64, 2: 128}
 # The forward's rows across a warp's lanes, by element size: None (a warp a row), or the warps of a program, which
 # then holds as many rows as fill their lanes with the rows' 16-byte pieces of a block.
 FORWARD_ACROSS_WARPS = {4: None, 2: None}
-FORWARD_ACROSS_HELD = 512   # elements of a row held in registers there (ROW_HELD's rule otherwise)
+FORWARD_ACROSS_BLOCKS = 4   # blocks of a row held in registers there (a 16-byte piece each a thread), at most
 LOG2E = 1.4426950408889634
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
@@ -141,25 +141,32 @@ def _row_slab(start, count, i, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.
     z = tl.program_id(1).to(tl.int64)
     base = (z * nnz + start + k) * (B * B)
     if ACROSS:
-        return base[:, None, None] + (i * B)[None, :, None] + j[None, None, :], (k < count)[:, None, None]
-    offsets = base[None, :, None] + (i * B)[:, None, None] + j[None, None, :]
-    return offsets, (k < count)[None, :, None]
+        offsets = base[:, None, None] + (i * B)[None, :, None] + j[None, None, :]
+        mask = (k < count)[:, None, None]
+    else:
+        offsets = base[None, :, None] + (i * B)[:, None, None] + j[None, None, :]
+        mask = (k < count)[None, :, None]
+    return offsets, mask
 
 
 @triton.jit
 def _per_row(v, ACROSS: tl.constexpr):
     """A value per row, shaped to broadcast over a slab of _row_slab."""
     if ACROSS:
-        return v[None, :, None]
-    return v[:, None, None]
+        shaped = v[None, :, None]
+    else:
+        shaped = v[:, None, None]
+    return shaped
 
 
 @triton.jit
 def _row_sum(x, ACROSS: tl.constexpr):
     """The sum over each row of a slab of _row_slab."""
     if ACROSS:
-        return tl.sum(tl.sum(x, axis=2), axis=0)
-    return tl.sum(tl.sum(x, axis=2), axis=1)
+        total = tl.sum(tl.sum(x, axis=2), axis=0)
+    else:
+        total = tl.sum(tl.sum(x, axis=2), axis=1)
+    return total
 
 
 @triton.jit
@@ -275,18 +282,18 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl
     tl.store(out_ptr + offsets, (e0 * _per_row(held_scale, ACROSS)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _row_blocks(lut, element_size, held=None):
-    """Blocks of each row that the row kernels hold (see ROW_HELD; `held` elements if given)."""
+def _row_blocks(lut, element_size):
+    """Blocks of each row that the row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
-    held = held or (ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD)
+    held = ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
-def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, held=None, **constexprs):
+def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, **constexprs):
     """One program per `rows` rows of a block-row, a warp a row (or `warps` warps in all), holding _row_blocks of
-    each; `extra` are the kernel's arguments after the scale."""
+    each (or `blocks`); `extra` are the kernel's arguments after the scale."""
     block = lut.block
-    blocks = _row_blocks(lut, tensors[0].element_size(), held)
+    blocks = blocks or _row_blocks(lut, tensors[0].element_size())
     rows = min(block, rows)
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
@@ -368,8 +375,9 @@ def forward(x, out, lut, scale, is_causal):
     if across:
         # a warp holds 16-byte pieces of its rows' blocks: 32 of them, of B // per_piece rows
         rows = min(lut.block, across * 32 * (16 // x.element_size()) // lut.block)
-        _launch_rows(*args, rows=max(1, rows), warps=across, held=FORWARD_ACROSS_HELD, CAUSAL=bool(is_causal),
-                     SIGN=sign, ACROSS=True)
+        blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS)
+        _launch_rows(*args, rows=max(1, rows), warps=across, blocks=blocks, CAUSAL=bool(is_causal), SIGN=sign,
+                     ACROSS=True)
         return
     one_row = lut.block >= FORWARD_ONE_ROW_FROM[x.element_size()] or lut.mean_blocks * lut.block >= ROW_LONG
     _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign, ACROSS=False)

@@ -97,13 +97,19 @@ def configurations():
             for causal in (False, True):
                 found.append((f"blocksparse-fwd-rows-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
                               blocksparse._fwd_rows_kernel, fwd_rows,
-                              {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1}, rows))
+                              {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1,
+                               "ACROSS": False}, rows))
+            across = max(1, min(block, 32 * (16 // size) // block))   # rows across one warp's lanes
+            held = blocksparse.FORWARD_ACROSS_BLOCKS
+            found.append((f"blocksparse-fwd-across-b{block}x{held}-causal-{dtype}", blocksparse._fwd_rows_kernel,
+                          fwd_rows, {"BLOCKS": held, "ROWS": across, "B": block, "CAUSAL": True, "SIGN": 1,
+                                     "ACROSS": True}, 1))
             found.append((f"blocksparse-bwd-rows-b{block}x{blocks}-{dtype}", blocksparse._bwd_rows_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **rows_table, "zero": "i32"},
                           {"BLOCKS": blocks, "ROWS": rows, "B": block, "RAW": size == 2 and blocksparse.ROW_RAW},
                           rows))
         found.append((f"blocksparse-fwd-rows-b64x16-long-{dtype}", blocksparse._fwd_rows_kernel, fwd_rows,
-                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1}, 1))   # one row a program
+                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1, "ACROSS": False}, 1))
     return found
 
 
