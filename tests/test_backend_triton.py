@@ -306,9 +306,9 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
     monkeypatch.setattr(blocksparse, "ROW_BACKWARD", "tiles" if kernels == "backward-tiles" else "rows")
     if kernels == "one-row-programs":
         monkeypatch.setattr(blocksparse, "FORWARD_ONE_ROW_FROM", {4: 16, 2: 16})
-    if kernels == "across":
-        monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_WARPS", {4: 1, 2: 1})
-        monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", 4)
+    across = kernels == "across"   # the forward's rows across lanes on this layout (mean row 384) or never
+    monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 1e9, 2: 1e9} if across else {4: 0, 2: 0})
+    monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", {4: 4, 2: 4})
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
     monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
     monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {4: 0.0, 2: 0.0})
@@ -360,13 +360,19 @@ def test_blocksparse_backward_row_kernels_hold_by_the_mean_row():
 def test_blocksparse_forward_takes_row_kernels_in_log2_units(monkeypatch):
     """The forward takes the row kernel on every layout, 4 rows a program, 1 for float32 blocks of 64 or more, 16-bit
     blocks of 128, and where the mean row is 2048 or more; it gets c = scale * log2 e and the scale's sign (c = 1 for a
-    zero scale, whose scores the kernel forms)."""
+    zero scale, whose scores the kernel forms). Where the mean row is FORWARD_ACROSS_UNTIL or less, it takes the row
+    kernel with its rows across a warp's lanes: one warp, B * size / 16 lanes a row, FORWARD_ACROSS_BLOCKS held."""
     from multisoft._blocksparse import lookup_table
     from multisoft_triton import blocksparse
 
-    taken = []
-    monkeypatch.setattr(blocksparse, "_launch_rows", lambda kernel, lut, tensors, c, *extra, rows, **constexprs:
-                        taken.append((kernel, c, rows, constexprs["SIGN"], constexprs["CAUSAL"])))
+    taken, across = [], []
+    monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 0, 2: 0})
+
+    def spy(kernel, lut, tensors, c, *extra, rows, warps=None, blocks=None, **constexprs):
+        taken.append((kernel, c, rows, constexprs["SIGN"], constexprs["CAUSAL"]))
+        across.append((constexprs["ACROSS"], warps, blocks))
+
+    monkeypatch.setattr(blocksparse, "_launch_rows", spy)
 
     def launch(block, per_row, scale=1.0, causal=False, dtype=torch.bfloat16):
         layout = (torch.arange(64)[None, None, :] < per_row).expand(2, 8, -1).long()
@@ -380,6 +386,15 @@ def test_blocksparse_forward_takes_row_kernels_in_log2_units(monkeypatch):
     assert launch(32, 7, dtype=torch.float32)[2] == 4 and launch(64, 7, dtype=torch.float32)[2] == 1
     assert launch(64, 7, scale=-0.5)[1:4] == (-0.5 * blocksparse.LOG2E, 4, -1)
     assert launch(64, 7, scale=0.0)[1:4] == (1.0, 4, 0)
+    assert set(across) == {(False, None, None)}
+    monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 512, 2: 512})
+    monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", {4: 4, 2: 2})
+    assert launch(64, 7)[2] == 4 and across[-1] == (True, 1, 2)           # 8 lanes a row of bf16 blocks of 64
+    assert launch(16, 31)[2] == 16 and across[-1] == (True, 1, 2)         # 2 lanes: 16 rows (448 elements)
+    assert launch(64, 7, dtype=torch.float32)[2] == 2 and across[-1] == (True, 1, 4)
+    assert launch(128, 4, dtype=torch.float32)[2] == 1 and across[-1] == (True, 1, 4)   # 32 lanes a row
+    assert launch(64, 1)[2] == 4 and across[-1] == (True, 1, 1)           # no more blocks than the mean row's
+    assert launch(64, 9)[2] == 4 and across[-1][0] is False                # 576 elements: the row kernel
 
 
 def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():

@@ -109,10 +109,16 @@ ROW_WARPS = 4
 # 0.84); bf16 b16-b64 0.01-0.14 slower but causal b64 (+0.02). 8 or 2 rows a program, 2 or 4 on the long rows, and
 # holding 256 or 1024 elements lost.
 FORWARD_ONE_ROW_FROM = {4: 64, 2: 128}
-# The forward's rows across a warp's lanes, by element size: None (a warp a row), or the warps of a program, which
-# then holds as many rows as fill their lanes with the rows' 16-byte pieces of a block.
-FORWARD_ACROSS_WARPS = {4: None, 2: None}
-FORWARD_ACROSS_BLOCKS = 4   # blocks of a row held in registers there (a 16-byte piece each a thread), at most
+# Layouts whose mean row is FORWARD_ACROSS_UNTIL elements or less (by element size) take the forward with its rows
+# across a warp's lanes: FORWARD_ACROSS_WARPS warps a program, as many rows as fill their lanes with the rows'
+# 16-byte pieces of a block, FORWARD_ACROSS_BLOCKS blocks of each row held (a piece each a thread), the rest
+# streamed twice. Measured on an H200 (tuning/triton-blocksparse-across.txt), against the row kernel: the 11 %
+# layouts (mean row 450) bf16 0.76 -> 0.81 (2 blocks; causal 0.62 -> 0.74), float32 causal 0.87 -> 0.91 (4 blocks;
+# full 0.955 -> 0.947); the 25-50 % layouts lost 0.03-0.40 (they hold a smaller share of their rows), and so did
+# 2 or 4 warps a program.
+FORWARD_ACROSS_UNTIL = {4: 512, 2: 512}
+FORWARD_ACROSS_WARPS = 1
+FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
 LOG2E = 1.4426950408889634
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
@@ -371,15 +377,15 @@ def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     sign = (scale > 0) - (scale < 0)
     args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal)
-    across = FORWARD_ACROSS_WARPS[x.element_size()]
-    if across:
-        # a warp holds 16-byte pieces of its rows' blocks: 32 of them, of B // per_piece rows
-        rows = min(lut.block, across * 32 * (16 // x.element_size()) // lut.block)
-        blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS)
-        _launch_rows(*args, rows=max(1, rows), warps=across, blocks=blocks, CAUSAL=bool(is_causal), SIGN=sign,
-                     ACROSS=True)
+    size = x.element_size()
+    if lut.mean_blocks * lut.block <= FORWARD_ACROSS_UNTIL[size]:
+        # the warps' lanes hold 16-byte pieces of their rows' blocks: B * size / 16 lanes a row
+        rows = min(lut.block, max(1, FORWARD_ACROSS_WARPS * 32 * 16 // (lut.block * size)))
+        blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS[size])
+        _launch_rows(*args, rows=rows, warps=FORWARD_ACROSS_WARPS, blocks=blocks, CAUSAL=bool(is_causal),
+                     SIGN=sign, ACROSS=True)
         return
-    one_row = lut.block >= FORWARD_ONE_ROW_FROM[x.element_size()] or lut.mean_blocks * lut.block >= ROW_LONG
+    one_row = lut.block >= FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= ROW_LONG
     _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign, ACROSS=False)
 
 

@@ -100,7 +100,7 @@ def configurations():
                               {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1,
                                "ACROSS": False}, rows))
             across = max(1, min(block, 32 * (16 // size) // block))   # rows across one warp's lanes
-            held = blocksparse.FORWARD_ACROSS_BLOCKS
+            held = blocksparse.FORWARD_ACROSS_BLOCKS[size]
             found.append((f"blocksparse-fwd-across-b{block}x{held}-causal-{dtype}", blocksparse._fwd_rows_kernel,
                           fwd_rows, {"BLOCKS": held, "ROWS": across, "B": block, "CAUSAL": True, "SIGN": 1,
                                      "ACROSS": True}, 1))
