@@ -1,7 +1,8 @@
 // Block-sparse softmax over the compressed blocks (Z, nnz, B, B).
 // Row i of block-row hr (= h * Mb + r) is the concatenation of row i of the blocks offsets[hr] .. offsets[hr + 1].
-// A warp per row; rows are numbered (z, hr, i). The row is read as VEC-element vectors (16 bytes), each inside
-// one block. A warp step covers 32 vectors, WB = 32 / VPB whole blocks (VPB = B / VEC vectors per block row), so
+// Register kernels: a row takes LANES lanes (32, or fewer in the backward: several rows of one block-row a warp);
+// rows are numbered (z, hr, i). The row is read as VEC-element vectors (16 bytes), each inside one block. A step of
+// the row's lanes covers LANES vectors, WB = LANES / VPB whole blocks (VPB = B / VEC vectors per block row), so
 // lane `lane` reads the same column of block s * WB + lane / VPB at step s: its vectors lie one stride apart. A
 // thread holds VPT steps (a tile). A row of one tile is read once and written from registers; a longer row reads
 // its tiles again (the last one excepted).

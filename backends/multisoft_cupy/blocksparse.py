@@ -8,9 +8,10 @@ from . import _catalog
 from ._module import aligned, ctype, device_index, device_info, f32, i32, i64, launch, ptr
 
 SOURCE = "blocksparse.cu"
-# The forward stages rows in shared memory (bs_fwd_staged) where the blocks are 16-byte aligned and
-# _catalog.blocksparse_staged_config says so; else, and in the backward, a warp per row holds a tile in registers
-# (bs_fwd, bs_bwd).
+# The forward stages rows in shared memory (bs_fwd_staged, several rows a warp for short rows) where the blocks are
+# 16-byte aligned and _catalog.blocksparse_staged_config says so; else a warp per row holds a tile in registers
+# (bs_fwd); the backward holds its tiles in registers too, with _catalog.blocksparse_backward_lanes lanes a row
+# (bs_bwd).
 STAGED = True
 # Values each thread of the register kernels holds (a row longer than a warp's share is read in tiles, twice): the
 # forward keeps one value per element, the backward two. By element size, choices: the first whose tile (a warp's
