@@ -2,11 +2,12 @@
 
 The rows of a block-row are its B rows of elements, each spread over the block-row's blocks. Both
 directions hold each row's first blocks in registers, a warp a row, and stream the rest of a longer row
-twice (row kernels); layouts of float32 rows long enough for them take the backward's tile and loop
-kernels, which hold ROWS rows a program as a [BLOCKS, ROWS, B] slab, BLOCKS the power of two that covers
-the launch's longest block-row. When that pads the slabs enough less (a causal layout's block-rows run
-from one block to all), the block-rows are grouped by their block count's power of two, one launch per
-group (decided once per layout). Rows with no unmasked element give zeros.
+twice (row kernels; the forward of short rows holds them across a warp's lanes instead, several rows a
+warp); layouts of float32 rows long enough for them take the backward's tile and loop kernels, which
+hold ROWS rows a program as a [BLOCKS, ROWS, B] slab, BLOCKS the power of two that covers the launch's
+longest block-row. When that pads the slabs enough less (a causal layout's block-rows run from one block
+to all), the block-rows are grouped by their block count's power of two, one launch per group (decided
+once per layout). Rows with no unmasked element give zeros.
 """
 import weakref
 
