@@ -126,7 +126,9 @@ class BlockSparseStaged(NamedTuple):
 # and every layout is staged (tuning/cupy-blocksparse-lanes.txt, same run, against a warp a row and the register
 # kernel below a mean row of 512): bf16 0.53-0.87 -> 0.69-0.87 (11 % 0.64 -> 0.84, causal 0.53 -> 0.78; b16 0.70 ->
 # 0.74), float32 0.81-0.96 -> 0.85-0.96 (11 % 0.89 -> 0.95, causal 0.81 -> 0.92); 4 or 16 vectors a lane, 1 or 4
-# warps a block were level or slower (1 warp: float32 50 % 0.88 -> 0.92, the rest 0.01-0.03 slower).
+# warps a block were level or slower (1 warp: float32 50 % 0.88 -> 0.92, the rest 0.01-0.03 slower). The lane count
+# read at run time made the kernel 0.02-0.04 slower on the 50 % layouts (full runs of sessions 20 and 21: bf16 0.905
+# -> 0.864, float32 0.925 -> 0.881), where a row still takes a warp.
 BLOCKSPARSE_STAGED_FROM = 0
 BLOCKSPARSE_STAGED_MARGIN = 1.25
 BLOCKSPARSE_STAGED_WARPS = 2
