@@ -390,14 +390,19 @@ def blocksparse_floats(choices: tuple, mean_row: float) -> int:
     return next((floats for floats in choices if 32 * floats >= mean_row), choices[-1])
 
 
+def _nearest_lanes(share: float, least: int) -> int:
+    """The power of two of lanes nearest `share` (at least 1), at most 32 and at least `least`."""
+    return max(least, min(32, 1 << round(math.log2(max(1.0, share)))))
+
+
 def blocksparse_backward_lanes(mean_row: float, block: int, elem_size: int) -> int:
     """Lanes per row of the backward (register kernel): the power of two nearest the mean row's bytes over
     BLOCKSPARSE_BACKWARD_LANE_BYTES (None: 32), at most 32, at least the vectors of a block's row and 32 / B (a
     warp's rows within one block-row)."""
     if BLOCKSPARSE_BACKWARD_LANE_BYTES is None:
         return 32
-    share = max(1.0, mean_row * elem_size / BLOCKSPARSE_BACKWARD_LANE_BYTES)
-    return max(32 // block, block * elem_size // 16, min(32, 1 << round(math.log2(share))))
+    least = max(32 // block, block * elem_size // 16)
+    return _nearest_lanes(mean_row * elem_size / BLOCKSPARSE_BACKWARD_LANE_BYTES, least)
 
 
 def blocksparse_config(row_length: float, elem_size: int, floats_per_thread: int) -> RowConfig:
@@ -418,8 +423,7 @@ def blocksparse_staged_lanes(mean_row: float, block: int, elem_size: int) -> int
     block-row)."""
     if BLOCKSPARSE_STAGED_LANE_VECTORS is None:
         return 32
-    share = max(1.0, mean_row * elem_size / 16 / BLOCKSPARSE_STAGED_LANE_VECTORS)
-    return max(32 // block, min(32, 1 << round(math.log2(share))))
+    return _nearest_lanes(mean_row * elem_size / 16 / BLOCKSPARSE_STAGED_LANE_VECTORS, 32 // block)
 
 
 def blocksparse_staged_config(mean_row: float, longest_row: int, elem_size: int, cc: int,

@@ -12,8 +12,8 @@ row lies in block v // V at vector v % V of its row (V vectors per block row); l
 `lane` holds the vectors t * TILE + k * lanes + lane (k < vectors per lane) of tile
 t, so each load of a row's lanes reads consecutive vectors. A row of one tile is
 read once and written from registers; a longer row keeps its first tiles in shared
-memory for the second pass (STASH_BYTES) and reads the others
-again (the last one excepted).
+memory for the second pass (STASH_BYTES) and reads the others again (the last one
+excepted).
 
 Causal masking keeps a prefix of each row: the look-up table lists a block-row's blocks
 by ascending column, so the elements kept are those of the blocks left of the diagonal,
