@@ -236,12 +236,18 @@ def ce_bwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
     return f"ce_bwd<{ctype}, {index_type}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
 
 
-def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
+def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig, lanes: int = 32) -> str:
+    """The register kernel; the backward with fewer than 32 lanes a row takes them at launch (a warp a row is
+    compiled as such)."""
+    if direction == "bwd" and lanes != 32:
+        return f"bs_bwd<{ctype}, {cfg.tpr}, {cfg.rows}, {cfg.vpt}, {cfg.min_blocks}, false>"
     return _row_kernel(f"bs_{direction}", ctype, cfg)
 
 
 def blocksparse_staged_kernel(ctype: str, cfg: BlockSparseStaged) -> str:
-    return f"bs_fwd_staged<{ctype}, {cfg.warps}, {cfg.cap}, {cfg.unroll}, {cfg.min_blocks}>"
+    """A warp a row (32 lanes) is compiled as such, fewer lanes a row take theirs at launch."""
+    whole_warp = "true" if cfg.lanes == 32 else "false"
+    return f"bs_fwd_staged<{ctype}, {cfg.warps}, {cfg.cap}, {cfg.unroll}, {cfg.min_blocks}, {whole_warp}>"
 
 
 def _usable(configs, cc: int):
@@ -262,8 +268,11 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
         return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
     if source == "blocksparse.cu":
-        staged = [blocksparse_staged_kernel(ctype, _staged(cap)) for cap in BLOCKSPARSE_STAGED_CAPS]
-        return tuple([blocksparse_kernel(d, ctype, c) for d in ("fwd", "bwd") for c in BLOCKSPARSE_CONFIGS] + staged)
+        staged = [blocksparse_staged_kernel(ctype, _staged(cap, lanes)) for cap in BLOCKSPARSE_STAGED_CAPS
+                  for lanes in (32, 1)]
+        registers = [blocksparse_kernel(d, ctype, c, lanes) for d, lanes in (("fwd", 32), ("bwd", 32), ("bwd", 1))
+                     for c in BLOCKSPARSE_CONFIGS]
+        return tuple(registers + staged)
     raise ValueError(f"unknown source {source!r}")
 
 

@@ -70,4 +70,5 @@ def backward(y, dy, dx, lut, scale: float) -> None:
     cfg, grid = _row_config(y, lut, BACKWARD_FLOATS, lanes)
     args = (ptr(y), ptr(dy), ptr(dx), ptr(lut.offsets), *sizes, i32(lut.block_rows), log2b, f32(scale),
             i32(aligned(y, dy, dx)), i32(lanes.bit_length() - 1))
-    launch(y, SOURCE, _catalog.blocksparse_kernel("bwd", ctype(y.dtype), cfg), grid, (cfg.threads, 1, 1), args)
+    launch(y, SOURCE, _catalog.blocksparse_kernel("bwd", ctype(y.dtype), cfg, lanes), grid, (cfg.threads, 1, 1),
+           args)
