@@ -78,6 +78,9 @@ CE_FWD_RULES: tuple = ()
 # bf16 0.89 -> 0.97 (causal 0.87 -> 0.94), the rest level; 128 took bf16 b16 causal 0.76 -> 0.82 but lost 0.02-0.06
 # on the other bf16 layouts, 256 lost everywhere.
 BLOCKSPARSE_BACKWARD_LANE_BYTES = 64
+# A warp a row compiled as such (WHOLE_WARP in blocksparse.cu: constant strides and reductions) in the staged forward
+# and the register backward; False: every lane count taken at launch.
+BLOCKSPARSE_WHOLE_WARP = True
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 5), RowConfig(32, 4, 8),
                        RowConfig(32, 4, 16))
 
@@ -239,14 +242,14 @@ def ce_bwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
 def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig, lanes: int = 32) -> str:
     """The register kernel; the backward with fewer than 32 lanes a row takes them at launch (a warp a row is
     compiled as such)."""
-    if direction == "bwd" and lanes != 32:
+    if direction == "bwd" and (lanes != 32 or not BLOCKSPARSE_WHOLE_WARP):
         return f"bs_bwd<{ctype}, {cfg.tpr}, {cfg.rows}, {cfg.vpt}, {cfg.min_blocks}, false>"
     return _row_kernel(f"bs_{direction}", ctype, cfg)
 
 
 def blocksparse_staged_kernel(ctype: str, cfg: BlockSparseStaged) -> str:
     """A warp a row (32 lanes) is compiled as such, fewer lanes a row take theirs at launch."""
-    whole_warp = "true" if cfg.lanes == 32 else "false"
+    whole_warp = "true" if cfg.lanes == 32 and BLOCKSPARSE_WHOLE_WARP else "false"
     return f"bs_fwd_staged<{ctype}, {cfg.warps}, {cfg.cap}, {cfg.unroll}, {cfg.min_blocks}, {whole_warp}>"
 
 

@@ -79,6 +79,9 @@ SPLIT_WIDE_THREADS = 512
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
+# The forward parts of split rows compiled for their block size (launch bounds (SPLIT_THREADS, 1)) instead of for
+# 1024 threads (at most 64 registers).
+SPLIT_FWD_BOUNDED = True
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
 # Forward rows held as words (by held bytes) of at least PREFETCH_FROM elements, a block each, run as persistent
 # blocks, one a multiprocessor, that read their next row before they reduce and write the current one
@@ -470,13 +473,13 @@ def _summed_statistics(stats, at, parts):
 
 
 @functools.cache
-def _forward_split(fmt, width, log, cache, keep):
+def _forward_split(fmt, width, log, cache, keep, bound=None):
     """keep (softmax only): hold exp(x - part max) between the passes and rescale it, one exponential
     per element; otherwise hold x and take the exponential again (see SPLIT_KEEP_EXP)."""
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
-    @kernel
+    @kernel(bound=bound)
     def forward_split(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -551,11 +554,11 @@ def _backward_split(fmt, width, log, cache, bound):
 
 
 @functools.cache
-def _forward_split_packed(fmt, width, log, cache):
+def _forward_split_packed(fmt, width, log, cache, bound=None):
     """forward_split for 16-bit rows held as words."""
     read_packed, row_max, exp_sum, write_packed, words, held_words, pad = _packed_forward_pieces(fmt, width, log, cache)
 
-    @kernel
+    @kernel(bound=bound)
     def forward_split_packed(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -715,8 +718,9 @@ def forward(x, out, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        kernel_ = (_forward_split_packed(fmt, width, log, cache) if held == 2 else
-                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP))
+        bound = (threads, 1) if SPLIT_FWD_BOUNDED else None
+        kernel_ = (_forward_split_packed(fmt, width, log, cache, bound) if held == 2 else
+                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP, bound))
         launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached

@@ -68,9 +68,11 @@ def configurations():
             found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache, 0), (arr, arr, arr),
                           MAX_THREADS))
         cache = softmax.SPLIT_CACHE[held]
-        kernel = (softmax._forward_split_packed(fmt, width, False, cache) if packed else
-                  softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP))
-        found.append((f"fwd-split-{name}-{cache}", kernel, (arr, arr, *stats), MAX_THREADS))
+        threads = softmax.SPLIT_THREADS if softmax.SPLIT_FWD_BOUNDED else MAX_THREADS
+        bound = (threads, 1) if softmax.SPLIT_FWD_BOUNDED else None
+        kernel = (softmax._forward_split_packed(fmt, width, False, cache, bound) if packed else
+                  softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP, bound))
+        found.append((f"fwd-split-{name}-{threads}x{cache}", kernel, (arr, arr, *stats), threads))
         build = softmax._backward_split_packed if packed else softmax._backward_split
         for threads, cache in softmax.SPLIT_BWD[held]:
             found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, 1)),
