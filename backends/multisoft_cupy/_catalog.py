@@ -78,9 +78,11 @@ CE_FWD_RULES: tuple = ()
 # bf16 0.89 -> 0.97 (causal 0.87 -> 0.94), the rest level; 128 took bf16 b16 causal 0.76 -> 0.82 but lost 0.02-0.06
 # on the other bf16 layouts, 256 lost everywhere.
 BLOCKSPARSE_BACKWARD_LANE_BYTES = 64
-# A warp a row compiled as such (WHOLE_WARP in blocksparse.cu: constant strides and reductions) in the staged forward
-# and the register backward; False: every lane count taken at launch.
-BLOCKSPARSE_WHOLE_WARP = True
+# By direction: a warp a row compiled as such (WHOLE_WARP in blocksparse.cu: constant strides and reductions) in the
+# staged forward and the register backward; False: every lane count taken at launch. Measured on an H200
+# (tuning/cupy-whole-warp.txt): forward fp32 +0.00-0.04 (50 % 0.88 -> 0.93), bf16 50 % 0.87 -> 0.91 (the rows sharing
+# a warp level); backward bf16 causal 0.01-0.02 slower, the rest level.
+BLOCKSPARSE_WHOLE_WARP = {"fwd": True, "bwd": False}
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 5), RowConfig(32, 4, 8),
                        RowConfig(32, 4, 16))
 
@@ -205,6 +207,8 @@ SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536, ("fwd", 4): 65536}
 # (threads, VPT) by direction: the first that cuts the row into no more chunks than the GPU has multiprocessors
 # (so that all chunks of a row can run at once).
 SPLIT_CHOICES = {"fwd": ((128, 16),), "bwd": ((128, 16),)}
+# Resident blocks a multiprocessor that the split forward's registers are capped for (0: uncapped).
+SPLIT_FWD_MIN_BLOCKS = 0
 SPLIT_COUNTER_STRIDE = 32  # int32s between row counters; MS_COUNTER_STRIDE in softmax.cu
 
 
@@ -221,6 +225,8 @@ def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
 
 
 def split_kernel(direction: str, ctype: str, cfg: SplitConfig) -> str:
+    if direction == "fwd" and SPLIT_FWD_MIN_BLOCKS:
+        return f"softmax_fwd_split_capped<{ctype}, {cfg.threads}, {cfg.vpt}, {SPLIT_FWD_MIN_BLOCKS}>"
     return f"softmax_{direction}_split<{ctype}, {cfg.threads}, {cfg.vpt}>"
 
 
@@ -240,16 +246,17 @@ def ce_bwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
 
 
 def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig, lanes: int = 32) -> str:
-    """The register kernel; the backward with fewer than 32 lanes a row takes them at launch (a warp a row is
-    compiled as such)."""
-    if direction == "bwd" and (lanes != 32 or not BLOCKSPARSE_WHOLE_WARP):
+    """The register kernel; the backward takes its lanes a row at launch, unless a warp a row is compiled as such
+    (BLOCKSPARSE_WHOLE_WARP)."""
+    if direction == "bwd" and (lanes != 32 or not BLOCKSPARSE_WHOLE_WARP["bwd"]):
         return f"bs_bwd<{ctype}, {cfg.tpr}, {cfg.rows}, {cfg.vpt}, {cfg.min_blocks}, false>"
     return _row_kernel(f"bs_{direction}", ctype, cfg)
 
 
 def blocksparse_staged_kernel(ctype: str, cfg: BlockSparseStaged) -> str:
-    """A warp a row (32 lanes) is compiled as such, fewer lanes a row take theirs at launch."""
-    whole_warp = "true" if cfg.lanes == 32 and BLOCKSPARSE_WHOLE_WARP else "false"
+    """A warp a row (32 lanes) is compiled as such (BLOCKSPARSE_WHOLE_WARP), fewer lanes a row take theirs at
+    launch."""
+    whole_warp = "true" if cfg.lanes == 32 and BLOCKSPARSE_WHOLE_WARP["fwd"] else "false"
     return f"bs_fwd_staged<{ctype}, {cfg.warps}, {cfg.cap}, {cfg.unroll}, {cfg.min_blocks}, {whole_warp}>"
 
 

@@ -79,9 +79,9 @@ SPLIT_WIDE_THREADS = 512
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
-# The forward parts of split rows compiled for their block size (launch bounds (SPLIT_THREADS, 1)) instead of for
-# 1024 threads (at most 64 registers).
-SPLIT_FWD_BOUNDED = True
+# The forward parts of split rows compiled for SPLIT_FWD_MIN_BLOCKS resident blocks a multiprocessor (launch bounds
+# (SPLIT_THREADS, SPLIT_FWD_MIN_BLOCKS)); 0: for 1024 threads, as the other kernels (at most 64 registers).
+SPLIT_FWD_MIN_BLOCKS = 0
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
 # Forward rows held as words (by held bytes) of at least PREFETCH_FROM elements, a block each, run as persistent
 # blocks, one a multiprocessor, that read their next row before they reduce and write the current one
@@ -718,7 +718,7 @@ def forward(x, out, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        bound = (threads, 1) if SPLIT_FWD_BOUNDED else None
+        bound = (threads, SPLIT_FWD_MIN_BLOCKS) if SPLIT_FWD_MIN_BLOCKS else None
         kernel_ = (_forward_split_packed(fmt, width, log, cache, bound) if held == 2 else
                    _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP, bound))
         launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
