@@ -67,11 +67,6 @@ SPLIT_LATE_Y = {4: False, 2: True}
 # bf16 rows (8192, 16384: several programs a multiprocessor already overlap) and float32 (spills) lost or were level.
 PREFETCH_FROM = {2: 32768}
 PREFETCH_SM_ELEMENTS = 32768
-# By element size: whether the held-chunk split forward keeps each thread's 16-byte vectors' own (max, sum of
-# exp(x - max)), merged over the chunk in one block-wide reduction, and (softmax) holds exp(x - vector max) for the
-# output, rescaled once the row's statistics are in: one exponential per element and one reduction before
-# publishing, against two of each.
-SPLIT_VECTOR_STATS = {4: False, 2: False}
 
 
 @triton.jit
@@ -200,40 +195,6 @@ def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CH
         y = shifted - tl.log(total)
     else:
         y = fast_exp(shifted) * (1.0 / total)
-    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _merge_stats(max_a, sum_a, max_b, sum_b):
-    """Two (max, sum of exp(x - max)) as one."""
-    top = tl.maximum(max_a, max_b)
-    shift = tl.where(top == -float("inf"), 0.0, top)
-    return top, sum_a * tl.exp(max_a - shift) + sum_b * tl.exp(max_b - shift)
-
-
-@triton.jit
-def _fwd_split_vector_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
-                             CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                             COUNTER_STRIDE: tl.constexpr):
-    """The held-chunk split forward with statistics per 16-byte vector ([CHUNK // VEC, VEC], a row of it one
-    thread's load): see SPLIT_VECTOR_STATS."""
-    VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
-    row, ticket, _, _ = _claim_chunk(count_ptr, N, chunks, 1, TICKET)
-    cols = (ticket % chunks) * CHUNK + tl.arange(0, CHUNK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    offsets = row * N + cols
-    mask = cols < N
-    x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
-    vec_max = tl.max(x, axis=1)
-    e = fast_exp(x - safe_shift(vec_max)[:, None])
-    local_max, local_sum = tl.reduce((vec_max, tl.sum(e, axis=1)), 0, _merge_stats)
-    tl.store(max_ptr + ticket, local_max)
-    tl.store(sum_ptr + ticket, local_sum)
-    row_max, total = _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2, COUNTER_STRIDE)
-    if LOG:
-        y = x - row_max - tl.log(total)
-    else:
-        # exp(x - row max) / total = e * exp(vector max - row max) / total (0 for a vector of -inf only)
-        y = e * (fast_exp(vec_max - row_max) * (1.0 / total))[:, None]
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -418,8 +379,7 @@ def forward(x, out, log):
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
-        kernel = _fwd_split_vector_kernel if SPLIT_VECTOR_STATS[x.element_size()] else _fwd_split_kernel
-        kernel[(M * chunks,)](
+        _fwd_split_kernel[(M * chunks,)](
             x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
             CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
             COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)

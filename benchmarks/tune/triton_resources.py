@@ -60,9 +60,6 @@ def configurations():
         found.append((f"softmax-fwd-split-{dtype}-{chunk}", softmax._fwd_split_kernel,
                       {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
                       split, warps, cap))
-        found.append((f"softmax-fwd-split-vector-{dtype}-{chunk}", softmax._fwd_split_vector_kernel,
-                      {"x_ptr": ptr, "out_ptr": ptr, "max_ptr": "*fp32", "sum_ptr": "*fp32", **stats},
-                      split, warps, cap))
         if size in softmax.SPLIT_STREAM:
             chunk_s, sub, warps_s, stages = softmax.SPLIT_STREAM[size]
             found.append((f"softmax-fwd-split-stream-{dtype}-{chunk_s}", softmax._fwd_split_stream_kernel,
