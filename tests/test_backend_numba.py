@@ -239,19 +239,12 @@ def test_launches_on_the_current_non_default_stream():
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", ["split", "looping"])
-@pytest.mark.parametrize("setting", ["defaults", "keep", "flipped"])
-def test_long_row_paths_with_a_masked_part(dtype, path, setting, monkeypatch):
-    """keep: SPLIT_KEEP_EXP (the float32 split forward); flipped: the split paths' other settings
-    (SPLIT_LATE_Y, SPLIT_FWD_MIN_BLOCKS) the other way from their defaults."""
+@pytest.mark.parametrize("keep_exp", [False, True], ids=["recompute", "keep"])
+def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
     from multisoft_numba import softmax
-    if setting == "keep" and (dtype != torch.float32 or path != "split"):
+    if keep_exp and (dtype != torch.float32 or path != "split"):
         pytest.skip("SPLIT_KEEP_EXP is a setting of the float32 split forward only")
-    if setting == "flipped" and path != "split":
-        pytest.skip("settings of the split paths")
-    monkeypatch.setattr(softmax, "SPLIT_KEEP_EXP", setting == "keep")
-    if setting == "flipped":
-        monkeypatch.setattr(softmax, "SPLIT_LATE_Y", {held: not late for held, late in softmax.SPLIT_LATE_Y.items()})
-        monkeypatch.setattr(softmax, "SPLIT_FWD_MIN_BLOCKS", 0 if softmax.SPLIT_FWD_MIN_BLOCKS else 5)
+    monkeypatch.setattr(softmax, "SPLIT_KEEP_EXP", keep_exp)
     n = 262_144
     x = (torch.randn(3, n, device=DEVICE) * 3).to(dtype)
     x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path

@@ -207,8 +207,6 @@ SPLIT_MIN_COLUMNS = {("bwd", 4): 32768, ("bwd", 2): 65536, ("fwd", 4): 65536}
 # (threads, VPT) by direction: the first that cuts the row into no more chunks than the GPU has multiprocessors
 # (so that all chunks of a row can run at once).
 SPLIT_CHOICES = {"fwd": ((128, 16),), "bwd": ((128, 16),)}
-# Resident blocks a multiprocessor that the split forward's registers are capped for (0: uncapped).
-SPLIT_FWD_MIN_BLOCKS = 0
 SPLIT_COUNTER_STRIDE = 32  # int32s between row counters; MS_COUNTER_STRIDE in softmax.cu
 
 
@@ -225,8 +223,6 @@ def softmax_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
 
 
 def split_kernel(direction: str, ctype: str, cfg: SplitConfig) -> str:
-    if direction == "fwd" and SPLIT_FWD_MIN_BLOCKS:
-        return f"softmax_fwd_split_capped<{ctype}, {cfg.threads}, {cfg.vpt}, {SPLIT_FWD_MIN_BLOCKS}>"
     return f"softmax_{direction}_split<{ctype}, {cfg.threads}, {cfg.vpt}>"
 
 

@@ -492,15 +492,6 @@ __global__ void __launch_bounds__(THREADS) softmax_fwd_split(const T* x, T* out,
     else split_forward<T, THREADS, VPT, false>(x, out, partial, counters, N, chunks, vec_ok != 0);
 }
 
-// The same with its registers capped for MIN_BLOCKS resident blocks a multiprocessor (see SPLIT_FWD_MIN_BLOCKS).
-template <typename T, int THREADS, int VPT, int MIN_BLOCKS>
-__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) softmax_fwd_split_capped(const T* x, T* out, float* partial,
-                                                                              int* counters, i64 N, int chunks,
-                                                                              int log_mode, int vec_ok) {
-    if (log_mode) split_forward<T, THREADS, VPT, true>(x, out, partial, counters, N, chunks, vec_ok != 0);
-    else split_forward<T, THREADS, VPT, false>(x, out, partial, counters, N, chunks, vec_ok != 0);
-}
-
 template <typename T, int THREADS, int VPT>
 __global__ void __launch_bounds__(THREADS) softmax_bwd_split(const T* y, const T* dy, T* dx, float* partial,
                                                                   int* counters, i64 N, int chunks, int log_mode,

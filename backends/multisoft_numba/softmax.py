@@ -57,9 +57,6 @@ SPLIT_CACHE = {4: 32, 2: 64}       # the same for the parts of split rows, forwa
 # 16-bit rows level either way.
 SPLIT_BWD = {4: ((128, 32), (256, 32)), 2: ((256, 32),)}
 SPLIT_FEW_PARTS = 32
-# By held bytes: whether the log_softmax split backward reads y after publishing its part's sum(dy), so that those
-# loads are in flight while it waits for the row's other parts (Triton's SPLIT_LATE_Y).
-SPLIT_LATE_Y = {4: False, 2: False}
 UNROLL = 8       # elements per thread per step of the looping kernels
 MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
 PACK_16BIT = True   # hold 16-bit rows read in pairs as words (_device.packed_io) on the cached and split paths
@@ -82,9 +79,6 @@ SPLIT_WIDE_THREADS = 512
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
-# The forward parts of split rows compiled for SPLIT_FWD_MIN_BLOCKS resident blocks a multiprocessor (launch bounds
-# (SPLIT_THREADS, SPLIT_FWD_MIN_BLOCKS)); 0: for 1024 threads, as the other kernels (at most 64 registers).
-SPLIT_FWD_MIN_BLOCKS = 0
 COUNTER_STRIDE = 32   # int32s from one row's arrival counter to the next (one 128-byte line each)
 # Forward rows held as words (by held bytes) of at least PREFETCH_FROM elements, a block each, run as persistent
 # blocks, one a multiprocessor, that read their next row before they reduce and write the current one
@@ -442,28 +436,17 @@ def _take_ticket(sync):
 
 
 @device_function
-def _publish(sync, row):
-    """Count this part of `row` as published (the row's counter is sync[(row + 1) * COUNTER_STRIDE], alone on
-    its 128-byte line); thread 0 wrote the part's statistics."""
+def _publish_and_wait(sync, row, parts):
+    """Count this part of `row` as published and wait for all `parts` (the row's counter is
+    sync[(row + 1) * COUNTER_STRIDE], alone on its 128-byte line)."""
     if cuda.threadIdx.x == 0:
+        counter = (row + 1) * COUNTER_STRIDE
         cuda.threadfence()
-        cuda.atomic.add(sync, (row + 1) * COUNTER_STRIDE, 1)
-
-
-@device_function
-def _wait(sync, row, parts):
-    """Wait until all `parts` of `row` have published."""
-    if cuda.threadIdx.x == 0:
-        while cuda.atomic.add(sync, (row + 1) * COUNTER_STRIDE, 0) < parts:
+        cuda.atomic.add(sync, counter, 1)
+        while cuda.atomic.add(sync, counter, 0) < parts:
             pass
         cuda.threadfence()
     cuda.syncthreads()
-
-
-@device_function
-def _publish_and_wait(sync, row, parts):
-    _publish(sync, row)
-    _wait(sync, row, parts)
 
 
 @device_function
@@ -487,13 +470,13 @@ def _summed_statistics(stats, at, parts):
 
 
 @functools.cache
-def _forward_split(fmt, width, log, cache, keep, bound=None):
+def _forward_split(fmt, width, log, cache, keep):
     """keep (softmax only): hold exp(x - part max) between the passes and rescale it, one exponential
     per element; otherwise hold x and take the exponential again (see SPLIT_KEEP_EXP)."""
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
-    @kernel(bound=bound)
+    @kernel
     def forward_split(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -537,11 +520,9 @@ def _forward_split(fmt, width, log, cache, keep, bound=None):
 
 
 @functools.cache
-def _backward_split(fmt, width, log, cache, bound, late_y=False):
-    """late_y (log_softmax only, whose row term needs dy alone): read y after publishing, while waiting."""
+def _backward_split(fmt, width, log, cache, bound):
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
-    late_y = late_y and log
 
     @kernel(bound=bound)
     def backward_split(y, dy, dx, stats, sync, parts):
@@ -556,16 +537,12 @@ def _backward_split(fmt, width, log, cache, bound, late_y=False):
         urow = uint64(row)
         part = ticket % parts
         first = part * (cache // width) * threads + tid
-        if not late_y:
-            read_vectors(y[urow], first, threads, n_vectors, ys, float32(0.0))
+        read_vectors(y[urow], first, threads, n_vectors, ys, float32(0.0))
         read_vectors(dy[urow], first, threads, n_vectors, gs, float32(0.0))
         acc = block_sum(buf, _dot(ys, gs, log))
         if tid == 0:
             stats[row * parts + part] = acc
-        _publish(sync, row)
-        if late_y:
-            read_vectors(y[urow], first, threads, n_vectors, ys, float32(0.0))
-        _wait(sync, row, parts)
+        _publish_and_wait(sync, row, parts)
         acc = _summed_statistics(stats, row * parts, parts)
         _gradient(ys, gs, acc, log)
         write_vectors(dx[urow], first, threads, n_vectors, gs)
@@ -574,11 +551,11 @@ def _backward_split(fmt, width, log, cache, bound, late_y=False):
 
 
 @functools.cache
-def _forward_split_packed(fmt, width, log, cache, bound=None):
+def _forward_split_packed(fmt, width, log, cache):
     """forward_split for 16-bit rows held as words."""
     read_packed, row_max, exp_sum, write_packed, words, held_words, pad = _packed_forward_pieces(fmt, width, log, cache)
 
-    @kernel(bound=bound)
+    @kernel
     def forward_split_packed(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -610,9 +587,8 @@ def _forward_split_packed(fmt, width, log, cache, bound=None):
 
 
 @functools.cache
-def _backward_split_packed(fmt, width, log, cache, bound, late_y=False):
+def _backward_split_packed(fmt, width, log, cache, bound):
     """backward_split for 16-bit rows held as words."""
-    late_y = late_y and log
     read_packed, _ = packed_io(fmt, width, cache // width)
     _, _, dot = _packed_reductions(fmt, width, cache)
     write_packed = _packed_writer(fmt, width, cache, _log_softmax_gradient if log else _softmax_gradient)
@@ -634,16 +610,12 @@ def _backward_split_packed(fmt, width, log, cache, bound, late_y=False):
         urow = uint64(row)
         part = ticket % parts
         first = part * (cache // width) * threads + tid
-        if not late_y:
-            read_packed(y[urow], first, threads, n_vectors, ys, int32(0))
+        read_packed(y[urow], first, threads, n_vectors, ys, int32(0))
         read_packed(dy[urow], first, threads, n_vectors, gs, int32(0))
         acc = block_sum(buf, dot(ys, gs, log))
         if tid == 0:
             stats[row * parts + part] = acc
-        _publish(sync, row)
-        if late_y:
-            read_packed(y[urow], first, threads, n_vectors, ys, int32(0))
-        _wait(sync, row, parts)
+        _publish_and_wait(sync, row, parts)
         acc = _summed_statistics(stats, row * parts, parts)
         write_packed(dx[urow], first, threads, n_vectors, ys, gs, fresh_shift(slot), acc, float32(0.0))
 
@@ -743,11 +715,8 @@ def forward(x, out, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        # the same registers a thread for wider parts (SPLIT_WIDE_THREADS)
-        blocks = SPLIT_FWD_MIN_BLOCKS * SPLIT_THREADS // threads
-        bound = (threads, blocks) if blocks else None
-        kernel_ = (_forward_split_packed(fmt, width, log, cache, bound) if held == 2 else
-                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP, bound))
+        kernel_ = (_forward_split_packed(fmt, width, log, cache) if held == 2 else
+                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP))
         launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached
@@ -768,7 +737,7 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
         build = _backward_split_packed if held == 2 else _backward_split
-        launch(build(fmt, width, log, cache, (threads, 1), SPLIT_LATE_Y[held]), rows * parts, threads,
+        launch(build(fmt, width, log, cache, (threads, 1)), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _backward_packed if held == 2 else _backward_cached

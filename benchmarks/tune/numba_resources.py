@@ -68,12 +68,9 @@ def configurations():
             found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache, 0), (arr, arr, arr),
                           MAX_THREADS))
         cache = softmax.SPLIT_CACHE[held]
-        blocks = softmax.SPLIT_FWD_MIN_BLOCKS
-        threads = softmax.SPLIT_THREADS if blocks else MAX_THREADS
-        bound = (threads, blocks) if blocks else None
-        kernel = (softmax._forward_split_packed(fmt, width, False, cache, bound) if packed else
-                  softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP, bound))
-        found.append((f"fwd-split-{name}-{cache}", kernel, (arr, arr, *stats), bound or threads))
+        kernel = (softmax._forward_split_packed(fmt, width, False, cache) if packed else
+                  softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP))
+        found.append((f"fwd-split-{name}-{cache}", kernel, (arr, arr, *stats), MAX_THREADS))
         build = softmax._backward_split_packed if packed else softmax._backward_split
         for threads, cache in softmax.SPLIT_BWD[held]:
             found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, 1)),
@@ -176,7 +173,7 @@ def main(argv=None):
             os.makedirs(args.sass, exist_ok=True)
             sass_to = os.path.join(args.sass, name + ".sass")
         registers, stores, loads, instructions = report(kernel, argtypes, cc, ptxas, bound, sass_to)
-        print(f"{name:28} {str(bound):>5} {registers:4d} {stores:12d} {loads:11d} {instructions:12d}", flush=True)
+        print(f"{name:28} {bound:5d} {registers:4d} {stores:12d} {loads:11d} {instructions:12d}", flush=True)
     return 0
 
 
