@@ -78,11 +78,11 @@ CE_FWD_RULES: tuple = ()
 # bf16 0.89 -> 0.97 (causal 0.87 -> 0.94), the rest level; 128 took bf16 b16 causal 0.76 -> 0.82 but lost 0.02-0.06
 # on the other bf16 layouts, 256 lost everywhere.
 BLOCKSPARSE_BACKWARD_LANE_BYTES = 64
-# By direction: a warp a row compiled as such (WHOLE_WARP in blocksparse.cu: constant strides and reductions) in the
-# staged forward and the register backward; False: every lane count taken at launch. Measured on an H200
-# (tuning/cupy-whole-warp.txt): forward fp32 +0.00-0.04 (50 % 0.88 -> 0.93), bf16 50 % 0.87 -> 0.91 (the rows sharing
-# a warp level); backward bf16 causal 0.01-0.02 slower, the rest level.
-BLOCKSPARSE_WHOLE_WARP = {"fwd": True, "bwd": False}
+# By direction: the lanes a row compiled as constants (LOG2LANES in blocksparse.cu: constant strides and reductions)
+# in the staged forward and the register backward; other lane counts are taken at launch. Measured on an H200
+# (tuning/cupy-whole-warp.txt), a warp a row so compiled: forward fp32 +0.00-0.04 (50 % 0.88 -> 0.93), bf16 50 %
+# 0.87 -> 0.91; backward bf16 causal 0.01-0.02 slower, the rest level.
+BLOCKSPARSE_COMPILED_LANES = {"fwd": (32,), "bwd": ()}
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 5), RowConfig(32, 4, 8),
                        RowConfig(32, 4, 16))
 
@@ -241,19 +241,23 @@ def ce_bwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
     return f"ce_bwd<{ctype}, {index_type}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
 
 
+def _log2lanes(direction: str, lanes: int) -> int:
+    """The LOG2LANES template argument: log2(lanes) where compiled as a constant (BLOCKSPARSE_COMPILED_LANES), else -1
+    (taken at launch)."""
+    return lanes.bit_length() - 1 if lanes in BLOCKSPARSE_COMPILED_LANES[direction] else -1
+
+
 def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig, lanes: int = 32) -> str:
-    """The register kernel; the backward takes its lanes a row at launch, unless a warp a row is compiled as such
-    (BLOCKSPARSE_WHOLE_WARP)."""
-    if direction == "bwd" and (lanes != 32 or not BLOCKSPARSE_WHOLE_WARP["bwd"]):
-        return f"bs_bwd<{ctype}, {cfg.tpr}, {cfg.rows}, {cfg.vpt}, {cfg.min_blocks}, false>"
+    """The register kernel (the forward: a warp a row); the backward's lanes a row as _log2lanes."""
+    if direction == "bwd":
+        return f"bs_bwd<{ctype}, {cfg.tpr}, {cfg.rows}, {cfg.vpt}, {cfg.min_blocks}, {_log2lanes('bwd', lanes)}>"
     return _row_kernel(f"bs_{direction}", ctype, cfg)
 
 
 def blocksparse_staged_kernel(ctype: str, cfg: BlockSparseStaged) -> str:
-    """A warp a row (32 lanes) is compiled as such (BLOCKSPARSE_WHOLE_WARP), fewer lanes a row take theirs at
-    launch."""
-    whole_warp = "true" if cfg.lanes == 32 and BLOCKSPARSE_WHOLE_WARP["fwd"] else "false"
-    return f"bs_fwd_staged<{ctype}, {cfg.warps}, {cfg.cap}, {cfg.unroll}, {cfg.min_blocks}, {whole_warp}>"
+    """The staged forward, its lanes a row as _log2lanes."""
+    log2lanes = _log2lanes("fwd", cfg.lanes)
+    return f"bs_fwd_staged<{ctype}, {cfg.warps}, {cfg.cap}, {cfg.unroll}, {cfg.min_blocks}, {log2lanes}>"
 
 
 def _usable(configs, cc: int):
@@ -274,11 +278,11 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
         return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
     if source == "blocksparse.cu":
-        staged = [blocksparse_staged_kernel(ctype, _staged(cap, lanes)) for cap in BLOCKSPARSE_STAGED_CAPS
-                  for lanes in (32, 1)]
-        registers = [blocksparse_kernel(d, ctype, c, lanes) for d, lanes in (("fwd", 32), ("bwd", 32), ("bwd", 1))
-                     for c in BLOCKSPARSE_CONFIGS]
-        return tuple(registers + staged)
+        lanes = (1, 2, 4, 8, 16, 32)
+        staged = [blocksparse_staged_kernel(ctype, _staged(cap, n)) for cap in BLOCKSPARSE_STAGED_CAPS for n in lanes]
+        registers = [blocksparse_kernel("fwd", ctype, c) for c in BLOCKSPARSE_CONFIGS]
+        registers += [blocksparse_kernel("bwd", ctype, c, n) for c in BLOCKSPARSE_CONFIGS for n in lanes]
+        return tuple(dict.fromkeys(registers + staged))
     raise ValueError(f"unknown source {source!r}")
 
 

@@ -296,13 +296,13 @@ __device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const
     }
 }
 
-// 2^log2lanes lanes a row (32 / lanes rows of one block-row a warp, ROWS warps a block; WHOLE_WARP: 32, known at
-// compile time).
-template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0, bool WHOLE_WARP = true>
+// 2^log2lanes lanes a row (32 / lanes rows of one block-row a warp, ROWS warps a block; LOG2LANES >= 0: that many,
+// known at compile time, -1: log2lanes_ at launch).
+template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0, int LOG2LANES = 5>
 MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_bwd(const T* y, const T* dy, T* dx, const int* offsets, i64 Z, i64 nnz, i64 groups,
                                  int block_rows, int log2b, float scale, int vec_ok, int log2lanes_) {
     static_assert(TPR == 32, "warps of rows");
-    const int log2lanes = WHOLE_WARP ? 5 : log2lanes_;
+    const int log2lanes = LOG2LANES >= 0 ? LOG2LANES : log2lanes_;
     const int lanes = 1 << log2lanes;
     const int lane = threadIdx.x & (lanes - 1);
     const int per_block = ROWS << (5 - log2lanes);
@@ -408,17 +408,18 @@ __device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
 // and t = c * x* (x* the element of the largest score), exp(scale * x - scale * x*) = 2^(c * x - t) takes one FMA
 // and ex2 per element; t's rounding is common to every term of a row and cancels in the quotient. A row staged in
 // parts keeps its sum s for the t so far and rescales it by 2^(t_old - t_new) with the same rounded t. The rows of a
-// warp run their parts together (the reductions take every lane). log2lanes: lanes per row (WHOLE_WARP: 32, known
-// at compile time: its loops and reductions then take constant strides, 0.02-0.04 of copy on rows of 2048);
+// warp run their parts together (the reductions take every lane). 2^log2lanes lanes a row (LOG2LANES >= 0: that
+// many, known at compile time: its loops and reductions then take constant strides, 0.02-0.04 of copy on rows of
+// 2048 a warp each; -1: log2lanes_ at launch);
 // UNROLL: vectors a lane works on at once in the max and sum passes; MIN_BLOCKS: see MS_ROW_KERNEL_MIN.
-template <typename T, int WARPS, int CAP, int UNROLL = 1, int MIN_BLOCKS = 0, bool WHOLE_WARP = true>
+template <typename T, int WARPS, int CAP, int UNROLL = 1, int MIN_BLOCKS = 0, int LOG2LANES = 5>
 MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, const int* offsets, const int* causal_prefix, i64 Z,
                                         i64 nnz, i64 groups, int log2b, float scale, int causal, int log2lanes_,
                                         int row_stride) {
     using V = BsVec<T>;
     constexpr int VEC = V::VEC;
     extern __shared__ uint4 stage[];
-    const int log2lanes = WHOLE_WARP ? 5 : log2lanes_;
+    const int log2lanes = LOG2LANES >= 0 ? LOG2LANES : log2lanes_;
     const int lanes = 1 << log2lanes;
     const int lane = threadIdx.x & (lanes - 1);
     const int block_rows = WARPS << (5 - log2lanes);  // rows a block works on at once
