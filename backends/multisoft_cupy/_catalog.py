@@ -79,10 +79,12 @@ CE_FWD_RULES: tuple = ()
 # on the other bf16 layouts, 256 lost everywhere.
 BLOCKSPARSE_BACKWARD_LANE_BYTES = 64
 # By direction: the lanes a row compiled as constants (LOG2LANES in blocksparse.cu: constant strides and reductions)
-# in the staged forward and the register backward; other lane counts are taken at launch. Measured on an H200
-# (tuning/cupy-whole-warp.txt), a warp a row so compiled: forward fp32 +0.00-0.04 (50 % 0.88 -> 0.93), bf16 50 %
-# 0.87 -> 0.91; backward bf16 causal 0.01-0.02 slower, the rest level.
-BLOCKSPARSE_COMPILED_LANES = {"fwd": (32,), "bwd": ()}
+# in the staged forward and the register backward; other lane counts are taken at launch. Measured on an H200: a warp
+# a row so compiled (tuning/cupy-whole-warp.txt), forward fp32 +0.00-0.04 (50 % 0.88 -> 0.93), bf16 50 % 0.87 ->
+# 0.91, backward bf16 causal 0.01-0.02 slower, the rest level; every lane count of the forward (the rows sharing a
+# warp, tuning/cupy-compiled-lanes.txt) bf16 25 % and 11 % +0.02-0.04 (b64 0.83 -> 0.86, 11 % 0.83 -> 0.87), causal
+# +0.01-0.03; the backward's fewer lanes level.
+BLOCKSPARSE_COMPILED_LANES = {"fwd": (1, 2, 4, 8, 16, 32), "bwd": ()}
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 5), RowConfig(32, 4, 8),
                        RowConfig(32, 4, 16))
 
