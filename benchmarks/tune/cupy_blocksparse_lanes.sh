@@ -6,12 +6,22 @@
 # layouts with a mean row of 512 or more (the 11 % ones then take the register kernel). ROUND 3: the backward
 # (register kernel) with lanes per row the power of two nearest the mean row's bytes over
 # BLOCKSPARSE_BACKWARD_LANE_BYTES (64, 128, 256) against a warp a row (None).
-# Writes $OUT/cupy_blocksparse_lanes_round$ROUND.csv.
+# ROUND 4 (session 22, every lane count of the forward compiled as a constant): the staged forward's
+# BLOCKSPARSE_STAGED_LANE_VECTORS (4, 8, 16) again. Writes $OUT/cupy_blocksparse_lanes_round$ROUND.csv.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 ROUND=${ROUND:-3}
 mkdir -p "$OUT"
 C='import multisoft_cupy._catalog as c'
+if [ "$ROUND" = 4 ]; then
+  VARIANTS=()
+  for v in 8 4 16; do
+    VARIANTS+=(--variant "v$v:$C; c.BLOCKSPARSE_STAGED_LANE_VECTORS = $v; c.BLOCKSPARSE_STAGED_FROM = 0; c.BLOCKSPARSE_STAGED_WARPS = 2")
+  done
+  python3 benchmarks/tune/tune.py --backend cupy --ops blocksparse_softmax --dtypes fp32,bf16 \
+    --directions forward --csv "$OUT/cupy_blocksparse_lanes_round$ROUND.csv" "${VARIANTS[@]}" || echo "tune failed: rc=$?"
+  exit 0
+fi
 if [ "$ROUND" = 3 ]; then
   VARIANTS=()
   for v in None 64 128 256; do
