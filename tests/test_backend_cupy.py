@@ -174,6 +174,20 @@ def test_expressions_cover_chosen_kernels():
         assert not any("cluster" in e for s in _catalog.SOURCES for e in _catalog.expressions(s, "float", 80))
 
 
+def test_expressions_cover_chosen_blocksparse_kernels():
+    """Whatever lanes a row the launchers choose (compiled as a constant or taken at launch), the kernel is one that
+    CI compiles: staged forward and register backward, mean rows from a block to 16384, every block size."""
+    for elem, ctype_ in ((4, "float"), (2, "bf16_t")):
+        expressions = set(_catalog.expressions("blocksparse.cu", ctype_, 90))
+        for block in (16, 32, 64, 128):
+            for mean_row in (block, 450, 1024, 2048, 16384):
+                staged = _catalog.blocksparse_staged_config(mean_row, 2 * mean_row, elem, 90, block)
+                assert _catalog.blocksparse_staged_kernel(ctype_, staged) in expressions, (elem, block, mean_row)
+                lanes = _catalog.blocksparse_backward_lanes(mean_row, block, elem)
+                for cfg in _catalog.BLOCKSPARSE_CONFIGS:  # the backward's tile: one of these, by the mean row
+                    assert _catalog.blocksparse_kernel("bwd", ctype_, cfg, lanes) in expressions, (elem, block, lanes)
+
+
 def _kernel_parameters(source: str, name: str) -> list[str]:
     """C types of the parameters of kernel template `name` in `source`."""
     import re

@@ -409,9 +409,9 @@ __device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
 // and ex2 per element; t's rounding is common to every term of a row and cancels in the quotient. A row staged in
 // parts keeps its sum s for the t so far and rescales it by 2^(t_old - t_new) with the same rounded t. The rows of a
 // warp run their parts together (the reductions take every lane). 2^log2lanes lanes a row (LOG2LANES >= 0: that
-// many, known at compile time: its loops and reductions then take constant strides, 0.02-0.04 of copy on rows of
-// 2048 a warp each; -1: log2lanes_ at launch);
-// UNROLL: vectors a lane works on at once in the max and sum passes; MIN_BLOCKS: see MS_ROW_KERNEL_MIN.
+// many, known at compile time, so that its loops and reductions take constant strides, 0.01-0.04 of copy; -1:
+// log2lanes_ at launch); UNROLL: vectors a lane works on at once in the max and sum passes; MIN_BLOCKS: see
+// MS_ROW_KERNEL_MIN.
 template <typename T, int WARPS, int CAP, int UNROLL = 1, int MIN_BLOCKS = 0, int LOG2LANES = 5>
 MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, const int* offsets, const int* causal_prefix, i64 Z,
                                         i64 nnz, i64 groups, int log2b, float scale, int causal, int log2lanes_,
