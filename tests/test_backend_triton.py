@@ -286,20 +286,18 @@ def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("kernels, is_causal", [("rows", False), ("rows", True), ("one-row-programs", True),
-                                                ("across", False), ("across", True), ("prefetch", False),
-                                                ("prefetch", True), ("backward-tiles", False),
-                                                ("backward-tiles", True)],
+                                                ("across", False), ("across", True),
+                                                ("backward-tiles", False), ("backward-tiles", True)],
                          ids=["rows-full", "rows-causal", "one-row-programs-causal", "across-full", "across-causal",
-                              "prefetch-full", "prefetch-causal", "backward-tiles-full", "backward-tiles-causal"])
+                              "backward-tiles-full", "backward-tiles-causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypatch):
     """Block-rows of 1..47 blocks (and an empty one), in shuffled columns (causal: some rows fully masked, some
     masked from a block on), on the row kernels holding 8 blocks (most rows streamed): both directions at 4 rows a
     program, the forward with a scale of each sign; the causal forward at one row a program (the interpreter runs
     4x the programs: one mask, not both); the forward with its rows across a warp's lanes (8 float32 or 16 bf16 rows
-    a program, 4 blocks of each held), a scale of each sign; the row forward as persistent programs that prefetch
-    their next rows (3 a multiprocessor: on the interpreter's none, 3 programs of 64 tasks each); the backward on
-    the tile and loop kernels, in launches by length, the longest on the loop path."""
+    a program, 4 blocks of each held), a scale of each sign; the backward on the tile and loop kernels, in
+    launches by length, the longest on the loop path."""
     import multisoft
     from multisoft._blocksparse import lookup_table
     from multisoft.check import error_ratio, reference_blocksparse, reference_blocksparse_backward
@@ -308,8 +306,6 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
     monkeypatch.setattr(blocksparse, "ROW_BACKWARD", "tiles" if kernels == "backward-tiles" else "rows")
     if kernels == "one-row-programs":
         monkeypatch.setattr(blocksparse, "FORWARD_ONE_ROW_FROM", {4: 16, 2: 16})
-    prefetch = 3 if kernels == "prefetch" else 0
-    monkeypatch.setattr(blocksparse, "FORWARD_PREFETCH_PROGRAMS", {4: prefetch, 2: prefetch})
     across = kernels == "across"   # the forward's rows across lanes on this layout (mean row 384) or never
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 1e9, 2: 1e9} if across else {4: 0, 2: 0})
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", {4: 4, 2: 4})
@@ -334,7 +330,7 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
             y = multisoft.blocksparse_softmax(x, layout, block, scale=scale, is_causal=is_causal, backend="triton")
             _, ratio = error_ratio(y, reference_blocksparse(x, layout, block, scale, is_causal), dtype)
             assert ratio <= 1, f"forward, scale {scale}: {ratio:.3g} x the tolerance"
-    if kernels in ("one-row-programs", "across", "prefetch"):   # the backward: ROW_WARPS rows a program, whatever
+    if kernels in ("one-row-programs", "across"):   # the backward takes ROW_WARPS rows a program whatever the layout
         return
     dy = torch.randn_like(y)
     dx = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=0.5, backend="triton")
@@ -371,11 +367,10 @@ def test_blocksparse_forward_takes_row_kernels_in_log2_units(monkeypatch):
 
     taken, across = [], []
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 0, 2: 0})
-    monkeypatch.setattr(blocksparse, "FORWARD_PREFETCH_PROGRAMS", {4: 0, 2: 0})
 
-    def spy(kernel, lut, tensors, c, *extra, rows, warps=None, blocks=None, programs=None, **constexprs):
+    def spy(kernel, lut, tensors, c, *extra, rows, warps=None, blocks=None, **constexprs):
         taken.append((kernel, c, rows, constexprs["SIGN"], constexprs["CAUSAL"]))
-        across.append((constexprs.get("ACROSS"), warps, blocks, programs))
+        across.append((constexprs["ACROSS"], warps, blocks))
 
     monkeypatch.setattr(blocksparse, "_launch_rows", spy)
 
@@ -391,19 +386,15 @@ def test_blocksparse_forward_takes_row_kernels_in_log2_units(monkeypatch):
     assert launch(32, 7, dtype=torch.float32)[2] == 4 and launch(64, 7, dtype=torch.float32)[2] == 1
     assert launch(64, 7, scale=-0.5)[1:4] == (-0.5 * blocksparse.LOG2E, 4, -1)
     assert launch(64, 7, scale=0.0)[1:4] == (1.0, 4, 0)
-    assert set(across) == {(False, None, None, None)}
-    monkeypatch.setattr(blocksparse, "FORWARD_PREFETCH_PROGRAMS", {4: 0, 2: 3})   # persistent, 3 a multiprocessor
-    assert launch(16, 64)[:3] == (blocksparse._fwd_rows_prefetch_kernel, blocksparse.LOG2E, 4)
-    assert across[-1] == (None, None, None, 3)   # the CPU has no multiprocessors: 3 programs
-    assert launch(16, 64, dtype=torch.float32)[0] is blocksparse._fwd_rows_kernel
+    assert set(across) == {(False, None, None)}
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 512, 2: 512})
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", {4: 4, 2: 2})
-    assert launch(64, 7)[2] == 4 and across[-1] == (True, 1, 2, None)     # 8 lanes a row of bf16 blocks of 64
-    assert launch(16, 31)[2] == 16 and across[-1] == (True, 1, 2, None)   # 2 lanes: 16 rows (448 elements)
-    assert launch(64, 7, dtype=torch.float32)[2] == 2 and across[-1] == (True, 1, 4, None)
-    assert launch(128, 4, dtype=torch.float32)[2] == 1 and across[-1] == (True, 1, 4, None)   # 32 lanes a row
-    assert launch(64, 1)[2] == 4 and across[-1] == (True, 1, 1, None)     # no more blocks than the mean row's
-    assert launch(64, 9)[2] == 4 and across[-1][0] is None                 # 576 elements: the prefetching row kernel
+    assert launch(64, 7)[2] == 4 and across[-1] == (True, 1, 2)           # 8 lanes a row of bf16 blocks of 64
+    assert launch(16, 31)[2] == 16 and across[-1] == (True, 1, 2)         # 2 lanes: 16 rows (448 elements)
+    assert launch(64, 7, dtype=torch.float32)[2] == 2 and across[-1] == (True, 1, 4)
+    assert launch(128, 4, dtype=torch.float32)[2] == 1 and across[-1] == (True, 1, 4)   # 32 lanes a row
+    assert launch(64, 1)[2] == 4 and across[-1] == (True, 1, 1)           # no more blocks than the mean row's
+    assert launch(64, 9)[2] == 4 and across[-1][0] is False                # 576 elements: the row kernel
 
 
 def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, sm_count, warps_for, widen
+from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -118,10 +118,6 @@ FORWARD_ONE_ROW_FROM = {4: 64, 2: 128}
 # full 0.955 -> 0.947); the 25-50 % layouts lost 0.03-0.40 (they hold a smaller share of their rows), and so did
 # 2 or 4 warps a program.
 FORWARD_ACROSS_UNTIL = {4: 512, 2: 512}
-# By element size: the row forward (rows not across lanes) as persistent programs, FORWARD_PREFETCH_PROGRAMS a
-# multiprocessor, that load their next rows' held blocks before they reduce and store the current ones (as the dense
-# forward's PREFETCH_FROM); 0: a program per task.
-FORWARD_PREFETCH_PROGRAMS = {4: 4, 2: 4}
 FORWARD_ACROSS_WARPS = 1
 FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
 LOG2E = 1.4426950408889634
@@ -138,19 +134,6 @@ def _row_program(offsets_ptr, ROWS: tl.constexpr, B: tl.constexpr):
     i = (pid % PARTS) * ROWS + tl.arange(0, ROWS)
     start = tl.load(offsets_ptr + group)
     count = tl.load(offsets_ptr + group + 1) - start
-    return group, start, count, i
-
-
-@triton.jit
-def _row_task(offsets_ptr, task, tasks, ROWS: tl.constexpr, B: tl.constexpr):
-    """_row_program for task `task` of `tasks` (what one program of _fwd_rows_kernel does): past the last task, a
-    block-row of no blocks."""
-    PARTS: tl.constexpr = B // ROWS
-    valid = task < tasks
-    group = tl.where(valid, task // PARTS, 0)
-    i = (task % PARTS) * ROWS + tl.arange(0, ROWS)
-    start = tl.load(offsets_ptr + group)
-    count = tl.where(valid, tl.load(offsets_ptr + group + 1) - start, 0)
     return group, start, count, i
 
 
@@ -225,15 +208,6 @@ def _causal_kept(causal_ptr, group, i, B: tl.constexpr):
 
 
 @triton.jit
-def _row_kept(causal_ptr, group, i, B: tl.constexpr, CAUSAL: tl.constexpr):
-    """Rows i's kept prefix (_causal_kept) where causal; otherwise i, unused."""
-    kept = i
-    if CAUSAL:
-        kept = _causal_kept(causal_ptr, group, i, B)
-    return kept
-
-
-@triton.jit
 def _row_values(x_ptr, offsets, mask, kept, first_block, SIGN: tl.constexpr, BLOCKS: tl.constexpr,
                 B: tl.constexpr, CAUSAL: tl.constexpr, ACROSS: tl.constexpr):
     """Rows i's values as loaded, where masked (past the row's blocks or, causal, past its kept prefix) the value
@@ -278,10 +252,18 @@ def _row_top(x, c, SIGN: tl.constexpr, ACROSS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_rows(x0, x_ptr, out_ptr, start, count, i, kept, nnz, c, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
-              B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr, ACROSS: tl.constexpr):
-    """The forward of rows i of the block-row from block `start` of `count` blocks, x0 their held blocks as
-    _row_values loaded them (see _fwd_rows_kernel)."""
+def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
+                     B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr, ACROSS: tl.constexpr):
+    """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
+    the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
+    running max of c * x. The held blocks' terms stay in registers; the rest of a longer row is streamed for an
+    online max and sum, then again for its output. ACROSS: the rows lie across a warp's lanes (_row_slab)."""
+    group, start, count, i = _row_program(offsets_ptr, ROWS, B)
+    kept = i
+    if CAUSAL:
+        kept = _causal_kept(causal_ptr, group, i, B)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, ACROSS)
+    x0 = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL, ACROSS)
     held_max = _row_top(x0, c, SIGN, ACROSS)
     e0 = fast_exp2(x0.to(tl.float32) * c - _per_row(safe_shift(held_max), ACROSS))
     run_max = held_max
@@ -307,42 +289,6 @@ def _fwd_rows(x0, x_ptr, out_ptr, start, count, i, kept, nnz, c, BLOCKS: tl.cons
     tl.store(out_ptr + offsets, (e0 * _per_row(held_scale, ACROSS)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
-                     B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr, ACROSS: tl.constexpr):
-    """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
-    the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
-    running max of c * x. The held blocks' terms stay in registers; the rest of a longer row is streamed for an
-    online max and sum, then again for its output. ACROSS: the rows lie across a warp's lanes (_row_slab)."""
-    group, start, count, i = _row_program(offsets_ptr, ROWS, B)
-    kept = _row_kept(causal_ptr, group, i, B, CAUSAL)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, ACROSS)
-    x0 = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL, ACROSS)
-    _fwd_rows(x0, x_ptr, out_ptr, start, count, i, kept, nnz, c, BLOCKS, ROWS, B, CAUSAL, SIGN, ACROSS)
-
-
-@triton.jit
-def _fwd_rows_prefetch_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, tasks, BLOCKS: tl.constexpr,
-                              ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr):
-    """_fwd_rows_kernel's tasks (rows not across lanes) as persistent programs, tasks a grid apart, each loading its
-    next task's held blocks before it reduces and stores the current one's (FORWARD_PREFETCH_PROGRAMS)."""
-    task = tl.program_id(0)
-    step = tl.num_programs(0)
-    group, start, count, i = _row_task(offsets_ptr, task, tasks, ROWS, B)
-    kept = _row_kept(causal_ptr, group, i, B, CAUSAL)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, False)
-    upcoming = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL, False)
-    for _ in range(tl.program_id(0), tasks, step):
-        x0 = upcoming
-        following = task + step
-        next_group, next_start, next_count, next_i = _row_task(offsets_ptr, following, tasks, ROWS, B)
-        next_kept = _row_kept(causal_ptr, next_group, next_i, B, CAUSAL)
-        offsets, mask = _row_slab(next_start, next_count, next_i, nnz, 0, BLOCKS, ROWS, B, False)
-        upcoming = _row_values(x_ptr, offsets, mask, next_kept, 0, SIGN, BLOCKS, B, CAUSAL, False)
-        _fwd_rows(x0, x_ptr, out_ptr, start, count, i, kept, nnz, c, BLOCKS, ROWS, B, CAUSAL, SIGN, False)
-        task, start, count, i, kept = following, next_start, next_count, next_i, next_kept
-
-
 def _row_blocks(lut, element_size):
     """Blocks of each row that the row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
@@ -350,20 +296,16 @@ def _row_blocks(lut, element_size):
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
-def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, programs=None, **constexprs):
-    """One program per `rows` rows of a block-row (a task), a warp a row (or `warps` warps in all), holding
-    _row_blocks of each (or `blocks`); or, given `programs`, that many persistent programs walking the tasks, whose
-    count the kernel gets last. `extra` are the kernel's arguments after the scale."""
+def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, **constexprs):
+    """One program per `rows` rows of a block-row, a warp a row (or `warps` warps in all), holding _row_blocks of
+    each (or `blocks`); `extra` are the kernel's arguments after the scale."""
     block = lut.block
     blocks = blocks or _row_blocks(lut, tensors[0].element_size())
     rows = min(block, rows)
-    tasks = lut.heads * lut.block_rows * (block // rows)
-    if programs:
-        extra = (*extra, tasks)
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
-            grid = (min(tasks, programs) if programs else tasks, part[0].shape[0])
+            grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra,
                          BLOCKS=blocks, ROWS=rows, B=block, num_warps=warps or rows, **LAUNCH, **constexprs)
 
@@ -445,13 +387,7 @@ def forward(x, out, lut, scale, is_causal):
                      SIGN=sign, ACROSS=True)
         return
     one_row = lut.block >= FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= ROW_LONG
-    rows = 1 if one_row else ROW_WARPS
-    if FORWARD_PREFETCH_PROGRAMS[size]:
-        programs = max(1, sm_count(x)) * FORWARD_PREFETCH_PROGRAMS[size]
-        _launch_rows(_fwd_rows_prefetch_kernel, *args[1:], rows=rows, programs=programs, CAUSAL=bool(is_causal),
-                     SIGN=sign)
-        return
-    _launch_rows(*args, rows=rows, CAUSAL=bool(is_causal), SIGN=sign, ACROSS=False)
+    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign, ACROSS=False)
 
 
 def backward(y, dy, dx, lut, scale):

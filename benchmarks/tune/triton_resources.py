@@ -99,9 +99,6 @@ def configurations():
                               blocksparse._fwd_rows_kernel, fwd_rows,
                               {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1,
                                "ACROSS": False}, rows))
-                found.append((f"blocksparse-fwd-prefetch-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
-                              blocksparse._fwd_rows_prefetch_kernel, {**fwd_rows, "tasks": "i32"},
-                              {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1}, rows))
             across = max(1, min(block, 32 * (16 // size) // block))   # rows across one warp's lanes
             held = blocksparse.FORWARD_ACROSS_BLOCKS[size]
             found.append((f"blocksparse-fwd-across-b{block}x{held}-causal-{dtype}", blocksparse._fwd_rows_kernel,
