@@ -84,7 +84,8 @@ BLOCKSPARSE_BACKWARD_LANE_BYTES = 64
 # 0.91, backward bf16 causal 0.01-0.02 slower, the rest level; every lane count of the forward (the rows sharing a
 # warp, tuning/cupy-compiled-lanes.txt) bf16 25 % and 11 % +0.02-0.04 (b64 0.83 -> 0.86, 11 % 0.83 -> 0.87), causal
 # +0.01-0.03; the backward's fewer lanes level.
-BLOCKSPARSE_COMPILED_LANES = {"fwd": (1, 2, 4, 8, 16, 32), "bwd": ()}
+BLOCKSPARSE_LANE_COUNTS = (1, 2, 4, 8, 16, 32)  # every lanes a row the block-sparse kernels may take
+BLOCKSPARSE_COMPILED_LANES = {"fwd": BLOCKSPARSE_LANE_COUNTS, "bwd": ()}
 BLOCKSPARSE_CONFIGS = (RowConfig(32, 4, 2), RowConfig(32, 4, 4), RowConfig(32, 4, 5), RowConfig(32, 4, 8),
                        RowConfig(32, 4, 16))
 
@@ -280,7 +281,7 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         fwd = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _usable(CE_FWD_CONFIGS, cc)]
         return tuple(fwd + [ce_bwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in CE_BWD_CONFIGS])
     if source == "blocksparse.cu":
-        lanes = (1, 2, 4, 8, 16, 32)
+        lanes = BLOCKSPARSE_LANE_COUNTS
         staged = [blocksparse_staged_kernel(ctype, _staged(cap, n)) for cap in BLOCKSPARSE_STAGED_CAPS for n in lanes]
         registers = [blocksparse_kernel("fwd", ctype, c) for c in BLOCKSPARSE_CONFIGS]
         registers += [blocksparse_kernel("bwd", ctype, c, n) for c in BLOCKSPARSE_CONFIGS for n in lanes]
