@@ -365,12 +365,12 @@ def test_blocksparse_forward_takes_row_kernels_in_log2_units(monkeypatch):
     from multisoft._blocksparse import lookup_table
     from multisoft_triton import blocksparse
 
-    taken, across = [], []
+    taken, acrosses = [], []
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 0, 2: 0})
 
-    def spy(kernel, lut, tensors, c, *extra, rows, warps=None, blocks=None, **constexprs):
+    def spy(kernel, lut, tensors, c, *extra, rows, warps=None, blocks=None, across=False, **constexprs):
         taken.append((kernel, c, rows, constexprs["SIGN"], constexprs["CAUSAL"]))
-        across.append((constexprs["ACROSS"], warps, blocks))
+        acrosses.append((across, warps, blocks if across else None))
 
     monkeypatch.setattr(blocksparse, "_launch_rows", spy)
 
@@ -386,15 +386,15 @@ def test_blocksparse_forward_takes_row_kernels_in_log2_units(monkeypatch):
     assert launch(32, 7, dtype=torch.float32)[2] == 4 and launch(64, 7, dtype=torch.float32)[2] == 1
     assert launch(64, 7, scale=-0.5)[1:4] == (-0.5 * blocksparse.LOG2E, 4, -1)
     assert launch(64, 7, scale=0.0)[1:4] == (1.0, 4, 0)
-    assert set(across) == {(False, None, None)}
+    assert set(acrosses) == {(False, None, None)}
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 512, 2: 512})
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", {4: 4, 2: 2})
-    assert launch(64, 7)[2] == 4 and across[-1] == (True, 1, 2)           # 8 lanes a row of bf16 blocks of 64
-    assert launch(16, 31)[2] == 16 and across[-1] == (True, 1, 2)         # 2 lanes: 16 rows (448 elements)
-    assert launch(64, 7, dtype=torch.float32)[2] == 2 and across[-1] == (True, 1, 4)
-    assert launch(128, 4, dtype=torch.float32)[2] == 1 and across[-1] == (True, 1, 4)   # 32 lanes a row
-    assert launch(64, 1)[2] == 4 and across[-1] == (True, 1, 1)           # no more blocks than the mean row's
-    assert launch(64, 9)[2] == 4 and across[-1][0] is False                # 576 elements: the row kernel
+    assert launch(64, 7)[2] == 4 and acrosses[-1] == (True, 1, 2)           # 8 lanes a row of bf16 blocks of 64
+    assert launch(16, 31)[2] == 16 and acrosses[-1] == (True, 1, 2)         # 2 lanes: 16 rows (448 elements)
+    assert launch(64, 7, dtype=torch.float32)[2] == 2 and acrosses[-1] == (True, 1, 4)
+    assert launch(128, 4, dtype=torch.float32)[2] == 1 and acrosses[-1] == (True, 1, 4)   # 32 lanes a row
+    assert launch(64, 1)[2] == 4 and acrosses[-1] == (True, 1, 1)           # no more blocks than the mean row's
+    assert launch(64, 9)[2] == 4 and acrosses[-1][0] is False                # 576 elements: the row kernel
 
 
 def test_blocksparse_schedule_groups_rows_by_length_only_when_it_pays():

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen
+from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen, widen_again
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -123,6 +123,9 @@ FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
 LOG2E = 1.4426950408889634
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
+FORWARD_RAW = False  # the forward's 16-bit rows held as loaded too, FORWARD_RAW_HELD elements of each
+FORWARD_RAW_HELD = 1024
+ROW_INNER = {"forward": None, "backward": 2}   # blocks of a row side by side in a warp (_launch_rows)
 
 
 @triton.jit
@@ -138,65 +141,62 @@ def _row_program(offsets_ptr, ROWS: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def _row_blocks_at(first_block, BLOCKS: tl.constexpr, INNER: tl.constexpr):
+    """The block indices of a slab from block first_block, as [BLOCKS // INNER, INNER]."""
+    return first_block + tl.arange(0, BLOCKS // INNER)[:, None] * INNER + tl.arange(0, INNER)[None, :]
+
+
+@triton.jit
 def _row_slab(start, count, i, nnz, first_block, BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr,
-              ACROSS: tl.constexpr):
-    """Offsets and mask of the [ROWS, BLOCKS, B] slab of rows i (of the block-row that starts at block `start` and
-    has `count` blocks) from block first_block; ACROSS: as [BLOCKS, ROWS, B], so that the rows lie across a warp's
-    lanes (the rows of a block are consecutive in memory)."""
-    k = first_block + tl.arange(0, BLOCKS)
+              INNER: tl.constexpr):
+    """Offsets and mask of the [BLOCKS // INNER, ROWS, INNER, B] slab of rows i (of the block-row that starts at
+    block `start` and has `count` blocks), BLOCKS blocks from block first_block. Triton lays a tensor's fastest
+    dimensions across a warp's lanes first: with INNER * B * element size = 32 lanes * 16 bytes a warp's lanes
+    take INNER blocks of one row and its warps take the rows, so that a row's reductions stay within its warp;
+    with INNER = 1 and rows of a few pieces, the rows lie across the lanes, several a warp."""
+    k = _row_blocks_at(first_block, BLOCKS, INNER)
     j = tl.arange(0, B)
     z = tl.program_id(1).to(tl.int64)
     base = (z * nnz + start + k) * (B * B)
-    if ACROSS:
-        offsets = base[:, None, None] + (i * B)[None, :, None] + j[None, None, :]
-        mask = (k < count)[:, None, None]
-    else:
-        offsets = base[None, :, None] + (i * B)[:, None, None] + j[None, None, :]
-        mask = (k < count)[None, :, None]
+    offsets = base[:, None, :, None] + (i * B)[None, :, None, None] + j[None, None, None, :]
+    mask = (k < count)[:, None, :, None]
     return offsets, mask
 
 
 @triton.jit
-def _per_row(v, ACROSS: tl.constexpr):
+def _per_row(v):
     """A value per row, shaped to broadcast over a slab of _row_slab."""
-    if ACROSS:
-        shaped = v[None, :, None]
-    else:
-        shaped = v[:, None, None]
-    return shaped
+    return v[None, :, None, None]
 
 
 @triton.jit
-def _row_sum(x, ACROSS: tl.constexpr):
+def _row_sum(x):
     """The sum over each row of a slab of _row_slab."""
-    if ACROSS:
-        total = tl.sum(tl.sum(x, axis=2), axis=0)
-    else:
-        total = tl.sum(tl.sum(x, axis=2), axis=1)
-    return total
+    return tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=0)
 
 
 @triton.jit
 def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, scale, zero,
-                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, RAW: tl.constexpr):
+                     BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, INNER: tl.constexpr,
+                     RAW: tl.constexpr):
     _, start, count, i = _row_program(offsets_ptr, ROWS, B)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, False)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
     y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0)
     dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
-    dot = tl.sum(tl.sum(y0.to(tl.float32) * dy0.to(tl.float32), axis=2), axis=1)
+    dot = _row_sum(y0.to(tl.float32) * dy0.to(tl.float32))
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, False)
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dot += tl.sum(tl.sum(y * dy, axis=2), axis=1)
+        dot += _row_sum(y * dy)
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, False)
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dx = scale * y * (dy - dot[:, None, None])
+        dx = scale * y * (dy - _per_row(dot))
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, False)
-    dx0 = scale * widen(y0, zero, RAW) * (widen(dy0, zero, RAW) - dot[:, None, None])
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
+    dx0 = scale * widen(y0, zero, RAW) * (widen(dy0, zero, RAW) - _per_row(dot))
     tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -209,7 +209,7 @@ def _causal_kept(causal_ptr, group, i, B: tl.constexpr):
 
 @triton.jit
 def _row_values(x_ptr, offsets, mask, kept, first_block, SIGN: tl.constexpr, BLOCKS: tl.constexpr,
-                B: tl.constexpr, CAUSAL: tl.constexpr, ACROSS: tl.constexpr):
+                B: tl.constexpr, CAUSAL: tl.constexpr, INNER: tl.constexpr):
     """Rows i's values as loaded, where masked (past the row's blocks or, causal, past its kept prefix) the value
     that a scale of sign SIGN sends to -inf: -inf, or +inf for a negative scale. For a zero scale (SIGN 0): the
     scores 0 * x themselves, as float32 (0, or NaN where x is not finite), -inf where masked."""
@@ -219,95 +219,95 @@ def _row_values(x_ptr, offsets, mask, kept, first_block, SIGN: tl.constexpr, BLO
         worst = -float("inf")
     x = tl.load(x_ptr + offsets, mask=mask, other=worst)
     if CAUSAL:
-        position = (first_block + tl.arange(0, BLOCKS))[:, None] * B + tl.arange(0, B)[None, :]
-        if ACROSS:
-            keep = position[:, None, :] < kept[None, :, None]
-        else:
-            keep = position[None, :, :] < kept[:, None, None]
+        position = _row_blocks_at(first_block, BLOCKS, INNER)[:, None, :, None] * B + tl.arange(0, B)
+        keep = position < _per_row(kept)
         mask = mask & keep
         if SIGN != 0:
-            x = tl.where(keep, x, worst)
+            x = tl.where(keep, x, tl.full(x.shape, worst, x.dtype))   # as loaded (a float would widen it)
     if SIGN == 0:
         x = tl.where(mask, x.to(tl.float32) * 0.0, -float("inf"))
     return x
 
 
 @triton.jit
-def _row_top(x, c, SIGN: tl.constexpr, ACROSS: tl.constexpr):
+def _row_top(x, c, SIGN: tl.constexpr):
     """The max over each row of c * x (with c > 0, or c < 0 for SIGN -1), from _row_values."""
     if SIGN < 0:
-        top = tl.min(x, axis=2)
+        top = tl.min(tl.min(tl.min(x, axis=3), axis=2), axis=0)
     else:
-        top = tl.max(x, axis=2)
-    if ACROSS:
-        if SIGN < 0:
-            top = tl.min(top, axis=0)
-        else:
-            top = tl.max(top, axis=0)
-    elif SIGN < 0:
-        top = tl.min(top, axis=1)
-    else:
-        top = tl.max(top, axis=1)
+        top = tl.max(tl.max(tl.max(x, axis=3), axis=2), axis=0)
     return top.to(tl.float32) * c
 
 
 @triton.jit
-def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
-                     B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr, ACROSS: tl.constexpr):
+def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOCKS: tl.constexpr,
+                     ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr,
+                     INNER: tl.constexpr, RAW: tl.constexpr):
     """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
     the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
-    running max of c * x. The held blocks' terms stay in registers; the rest of a longer row is streamed for an
-    online max and sum, then again for its output. ACROSS: the rows lie across a warp's lanes (_row_slab)."""
+    running max of c * x. The held blocks stay in registers, as their terms or (RAW, 16-bit rows) as loaded, their
+    terms formed again for the output; the rest of a longer row is streamed for an online max and sum, then again
+    for its output. INNER: the slab's layout (_row_slab)."""
     group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     kept = i
     if CAUSAL:
         kept = _causal_kept(causal_ptr, group, i, B)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, ACROSS)
-    x0 = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL, ACROSS)
-    held_max = _row_top(x0, c, SIGN, ACROSS)
-    e0 = fast_exp2(x0.to(tl.float32) * c - _per_row(safe_shift(held_max), ACROSS))
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
+    x0 = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL, INNER)
+    held_max = _row_top(x0, c, SIGN)
+    e0 = fast_exp2(x0.to(tl.float32) * c - _per_row(safe_shift(held_max)))
     run_max = held_max
-    run_sum = _row_sum(e0, ACROSS)
+    run_sum = _row_sum(e0)
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, ACROSS)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, ACROSS)
-        new_max = tl.maximum(run_max, _row_top(x, c, SIGN, ACROSS))
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
+        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, INNER)
+        new_max = tl.maximum(run_max, _row_top(x, c, SIGN))
         shift = safe_shift(new_max)
-        terms = fast_exp2(x.to(tl.float32) * c - _per_row(shift, ACROSS))
-        run_sum = run_sum * fast_exp2(run_max - shift) + _row_sum(terms, ACROSS)
+        terms = fast_exp2(x.to(tl.float32) * c - _per_row(shift))
+        run_sum = run_sum * fast_exp2(run_max - shift) + _row_sum(terms)
         run_max = new_max
     safe_max = safe_shift(run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
     for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, ACROSS)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, ACROSS)
-        y = fast_exp2(x.to(tl.float32) * c - _per_row(safe_max, ACROSS)) * _per_row(inverse, ACROSS)
+        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
+        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, INNER)
+        y = fast_exp2(x.to(tl.float32) * c - _per_row(safe_max)) * _per_row(inverse)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
-    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, ACROSS)
-    # 2**(c * x0 - safe_max) = e0 * 2**(held_max - safe_max); a held part with no unmasked element gives 0
-    held_scale = fast_exp2(held_max - safe_max) * inverse
-    tl.store(out_ptr + offsets, (e0 * _per_row(held_scale, ACROSS)).to(out_ptr.dtype.element_ty), mask=mask)
+    offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
+    if RAW:
+        y0 = fast_exp2(widen_again(x0, zero) * c - _per_row(safe_max)) * _per_row(inverse)
+    else:
+        # 2**(c * x0 - safe_max) = e0 * 2**(held_max - safe_max); a held part with no unmasked element gives 0
+        y0 = e0 * _per_row(fast_exp2(held_max - safe_max) * inverse)
+    tl.store(out_ptr + offsets, y0.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _row_blocks(lut, element_size):
-    """Blocks of each row that the row kernels hold (see ROW_HELD)."""
+def _row_blocks(lut, element_size, held=None):
+    """Blocks of each row that the row kernels hold (see ROW_HELD; or `held` elements)."""
     mean_row = lut.mean_blocks * lut.block
-    held = ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD
+    held = held or (ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD)
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
-def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, **constexprs):
-    """One program per `rows` rows of a block-row, a warp a row (or `warps` warps in all), holding _row_blocks of
-    each (or `blocks`); `extra` are the kernel's arguments after the scale."""
+def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, across=False, **constexprs):
+    """One program per `rows` rows of a block-row, a warp a row (or `warps` warps in all, across: the rows across
+    their lanes), holding _row_blocks of each (or `blocks`); `extra` are the kernel's arguments after the scale."""
     block = lut.block
-    blocks = blocks or _row_blocks(lut, tensors[0].element_size())
+    size = tensors[0].element_size()
+    blocks = blocks or _row_blocks(lut, size)
     rows = min(block, rows)
+    inner = 1
+    if not across:
+        # INNER blocks of a row side by side in a warp's lanes, a 16-byte piece each (_row_slab): by ROW_INNER, or
+        # as many as fill the warp's 32 lanes
+        inner = ROW_INNER["backward" if kernel is _bwd_rows_kernel else "forward"] or 32 * 16 // (size * block)
+        inner = max(1, min(blocks, inner))
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
-            kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra,
-                         BLOCKS=blocks, ROWS=rows, B=block, num_warps=warps or rows, **LAUNCH, **constexprs)
+            kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra, BLOCKS=blocks, ROWS=rows, B=block,
+                         INNER=inner, num_warps=warps or rows, **LAUNCH, **constexprs)
 
 
 def _plan(blocks, block):
@@ -377,17 +377,19 @@ def _launch(kernels, lut, tensors, scale):
 def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     sign = (scale > 0) - (scale < 0)
-    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal)
     size = x.element_size()
+    raw = FORWARD_RAW and size == 2 and sign != 0
+    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal, 0)
     if lut.mean_blocks * lut.block <= FORWARD_ACROSS_UNTIL[size]:
         # the warps' lanes hold 16-byte pieces of their rows' blocks: B * size / 16 lanes a row
         rows = min(lut.block, max(1, FORWARD_ACROSS_WARPS * 32 * 16 // (lut.block * size)))
         blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS[size])
-        _launch_rows(*args, rows=rows, warps=FORWARD_ACROSS_WARPS, blocks=blocks, CAUSAL=bool(is_causal),
-                     SIGN=sign, ACROSS=True)
+        _launch_rows(*args, rows=rows, warps=FORWARD_ACROSS_WARPS, blocks=blocks, across=True,
+                     CAUSAL=bool(is_causal), SIGN=sign, RAW=False)
         return
     one_row = lut.block >= FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= ROW_LONG
-    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign, ACROSS=False)
+    blocks = _row_blocks(lut, size, FORWARD_RAW_HELD if raw else None)
+    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, blocks=blocks, CAUSAL=bool(is_causal), SIGN=sign, RAW=raw)
 
 
 def backward(y, dy, dx, lut, scale):
