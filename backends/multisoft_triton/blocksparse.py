@@ -125,6 +125,7 @@ ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (uti
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
 FORWARD_RAW = False  # the forward's 16-bit rows held as loaded too, FORWARD_RAW_HELD elements of each
 FORWARD_RAW_HELD = 1024
+FORWARD_STREAM = None   # blocks of a row the forward streams at a time past its held ones (None: as many as held)
 ROW_INNER = {"forward": None, "backward": 2}   # blocks of a row side by side in a warp (_launch_rows)
 
 
@@ -242,12 +243,12 @@ def _row_top(x, c, SIGN: tl.constexpr):
 @triton.jit
 def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOCKS: tl.constexpr,
                      ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr,
-                     INNER: tl.constexpr, RAW: tl.constexpr):
+                     INNER: tl.constexpr, RAW: tl.constexpr, STREAM: tl.constexpr):
     """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
     the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
     running max of c * x. The held blocks stay in registers, as their terms or (RAW, 16-bit rows) as loaded, their
     terms formed again for the output; the rest of a longer row is streamed for an online max and sum, then again
-    for its output. INNER: the slab's layout (_row_slab)."""
+    for its output, STREAM blocks at a time. INNER: the slab's layout (_row_slab)."""
     group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     kept = i
     if CAUSAL:
@@ -258,9 +259,9 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOC
     e0 = fast_exp2(x0.to(tl.float32) * c - _per_row(safe_shift(held_max)))
     run_max = held_max
     run_sum = _row_sum(e0)
-    for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, INNER)
+    for first in range(BLOCKS, count, STREAM):
+        offsets, mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
+        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
         new_max = tl.maximum(run_max, _row_top(x, c, SIGN))
         shift = safe_shift(new_max)
         terms = fast_exp2(x.to(tl.float32) * c - _per_row(shift))
@@ -268,9 +269,9 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOC
         run_max = new_max
     safe_max = safe_shift(run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
-    for first in range(BLOCKS, count, BLOCKS):
-        offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, BLOCKS, B, CAUSAL, INNER)
+    for first in range(BLOCKS, count, STREAM):
+        offsets, mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
+        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
         y = fast_exp2(x.to(tl.float32) * c - _per_row(safe_max)) * _per_row(inverse)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
@@ -302,6 +303,8 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=N
         # as many as fill the warp's 32 lanes
         inner = ROW_INNER["backward" if kernel is _bwd_rows_kernel else "forward"] or 32 * 16 // (size * block)
         inner = max(1, min(blocks, inner))
+        if kernel is _fwd_rows_kernel:
+            constexprs["STREAM"] = max(inner, min(blocks, FORWARD_STREAM or blocks))
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
@@ -385,7 +388,7 @@ def forward(x, out, lut, scale, is_causal):
         rows = min(lut.block, max(1, FORWARD_ACROSS_WARPS * 32 * 16 // (lut.block * size)))
         blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS[size])
         _launch_rows(*args, rows=rows, warps=FORWARD_ACROSS_WARPS, blocks=blocks, across=True,
-                     CAUSAL=bool(is_causal), SIGN=sign, RAW=False)
+                     CAUSAL=bool(is_causal), SIGN=sign, RAW=False, STREAM=blocks)
         return
     one_row = lut.block >= FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= ROW_LONG
     blocks = _row_blocks(lut, size, FORWARD_RAW_HELD if raw else None)

@@ -7,7 +7,8 @@
 #            (process_ab.sh): every layout, fp32 and bf16, forward and backward.
 #   ROUND=2: the forward's 16-bit rows held as loaded (FORWARD_RAW, FORWARD_RAW_HELD elements), their terms
 #            formed again for the output, against terms held as float32.
-#   ROUND=4: round 1, then blocks of a row side by side in a warp (ROW_INNER) by direction.
+#   ROUND=4: round 1, then blocks of a row side by side in a warp (ROW_INNER) by direction, and the forward's
+#            rows past their held blocks streamed 2 or 4 blocks at a time (FORWARD_STREAM).
 # Round 2 also timed the backward at 32, 16 and 8 lanes a row, and round 3 rows sharing a warp with fewer warps a
 # program, through a setting (ROW_LANES) that is gone: their numbers are in tuning/triton-blocksparse-warp-rows.txt.
 # Every variant sets what it compares. Writes $OUT/process_ab_{tree,ref,tree_again}.csv (rounds 1 and 4),
@@ -31,12 +32,13 @@ if [ "$ROUND" = 2 ]; then
     || echo "triton block-sparse raw forward tuning failed: rc=$?"
 fi
 if [ "$ROUND" = 4 ]; then
-  inner() {   # blocks of a row side by side in a warp: forward, backward
-    echo "$T; t.FORWARD_RAW = False; t.ROW_INNER = {'forward': $1, 'backward': $2}"
+  inner() {   # blocks of a row side by side in a warp: forward, backward; blocks the forward streams at a time
+    echo "$T; t.FORWARD_RAW = False; t.ROW_INNER = {'forward': $1, 'backward': $2}; t.FORWARD_STREAM = ${3:-None}"
   }
   python3 benchmarks/tune/tune.py --backend triton --ops blocksparse_softmax --dtypes fp32,bf16 --cases b \
     --directions forward,backward --csv "$OUT/triton_blocksparse_inner.csv" \
     --variant "warp_rows:$(inner None None)" --variant "inner2:$(inner 2 2)" --variant "inner1:$(inner 1 1)" \
-    --variant "inner4:$(inner 4 4)" \
+    --variant "inner4:$(inner 4 4)" --variant "stream4:$(inner None 2 4)" \
+    --variant "inner2_stream2:$(inner 2 2 2)" \
     || echo "triton block-sparse inner tuning failed: rc=$?"
 fi

@@ -45,7 +45,7 @@ def configurations():
                 tag = "-raw" if raw else ""
                 if n <= softmax.BACKWARD_TILE_MAX[size]:
                     found.append((f"softmax-bwd-tile-{dtype}-{n}{tag}", softmax._bwd_tile_kernel, bwd,
-                                  {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw},
+                                  {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw, "STREAM": 16},
                                   softmax.warps_for(2 * rows * n)))
         if size in softmax.PREFETCH_FROM:
             block = softmax.PREFETCH_FROM[size]
@@ -100,12 +100,12 @@ def configurations():
                 found.append((f"blocksparse-fwd-rows-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
                               blocksparse._fwd_rows_kernel, fwd_rows,
                               {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1,
-                               "INNER": inner, "RAW": raw}, rows))
+                               "INNER": inner, "RAW": raw, "STREAM": blocks}, rows))
             across = max(1, min(block, 32 * (16 // size) // block))   # rows across one warp's lanes
             held = blocksparse.FORWARD_ACROSS_BLOCKS[size]
             found.append((f"blocksparse-fwd-across-b{block}x{held}-causal-{dtype}", blocksparse._fwd_rows_kernel,
                           fwd_rows, {"BLOCKS": held, "ROWS": across, "B": block, "CAUSAL": True, "SIGN": 1,
-                                     "INNER": 1, "RAW": False}, 1))
+                                     "INNER": 1, "RAW": False, "STREAM": held}, 1))
             found.append((f"blocksparse-bwd-rows-b{block}x{blocks}-{dtype}", blocksparse._bwd_rows_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **rows_table, "zero": "i32"},
                           {"BLOCKS": blocks, "ROWS": rows, "B": block, "INNER": inner,
@@ -113,7 +113,7 @@ def configurations():
                           rows))
         found.append((f"blocksparse-fwd-rows-b64x16-long-{dtype}", blocksparse._fwd_rows_kernel, fwd_rows,
                       {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1, "INNER": 16 // size,
-                       "RAW": raw},
+                       "RAW": raw, "STREAM": 16},
                       1))
     return found
 
