@@ -126,7 +126,7 @@ ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (uti
 FORWARD_RAW = False  # the forward's 16-bit rows held as loaded too, FORWARD_RAW_HELD elements of each
 FORWARD_RAW_HELD = 1024
 FORWARD_STREAM = None   # blocks of a row the forward streams at a time past its held ones (None: as many as held)
-ROW_INNER = {"forward": None, "backward": 2}   # blocks of a row side by side in a warp (_launch_rows)
+ROW_INNER = {"forward": {4: None, 2: 2}, "backward": {4: 2, 2: 2}}   # blocks of a row side by side in a warp
 
 
 @triton.jit
@@ -260,8 +260,8 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOC
     run_max = held_max
     run_sum = _row_sum(e0)
     for first in range(BLOCKS, count, STREAM):
-        offsets, mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
+        part, part_mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
+        x = _row_values(x_ptr, part, part_mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
         new_max = tl.maximum(run_max, _row_top(x, c, SIGN))
         shift = safe_shift(new_max)
         terms = fast_exp2(x.to(tl.float32) * c - _per_row(shift))
@@ -270,10 +270,10 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOC
     safe_max = safe_shift(run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
     for first in range(BLOCKS, count, STREAM):
-        offsets, mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
-        x = _row_values(x_ptr, offsets, mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
+        part, part_mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
+        x = _row_values(x_ptr, part, part_mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
         y = fast_exp2(x.to(tl.float32) * c - _per_row(safe_max)) * _per_row(inverse)
-        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + part, y.to(out_ptr.dtype.element_ty), mask=part_mask)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
     if RAW:
         y0 = fast_exp2(widen_again(x0, zero) * c - _per_row(safe_max)) * _per_row(inverse)
@@ -290,6 +290,13 @@ def _row_blocks(lut, element_size, held=None):
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
+def _row_inner(direction, element_size, block, blocks):
+    """INNER of the row kernels' slab (_row_slab): blocks of a row side by side in a warp's lanes, a 16-byte piece
+    each, by ROW_INNER, or as many as fill the warp's 32 lanes; at most the `blocks` held."""
+    inner = ROW_INNER[direction][element_size] or 32 * 16 // (element_size * block)
+    return max(1, min(blocks, inner))
+
+
 def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, across=False, **constexprs):
     """One program per `rows` rows of a block-row, a warp a row (or `warps` warps in all, across: the rows across
     their lanes), holding _row_blocks of each (or `blocks`); `extra` are the kernel's arguments after the scale."""
@@ -297,12 +304,8 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=N
     size = tensors[0].element_size()
     blocks = blocks or _row_blocks(lut, size)
     rows = min(block, rows)
-    inner = 1
+    inner = 1 if across else _row_inner("backward" if kernel is _bwd_rows_kernel else "forward", size, block, blocks)
     if not across:
-        # INNER blocks of a row side by side in a warp's lanes, a 16-byte piece each (_row_slab): by ROW_INNER, or
-        # as many as fill the warp's 32 lanes
-        inner = ROW_INNER["backward" if kernel is _bwd_rows_kernel else "forward"] or 32 * 16 // (size * block)
-        inner = max(1, min(blocks, inner))
         if kernel is _fwd_rows_kernel:
             constexprs["STREAM"] = max(inner, min(blocks, FORWARD_STREAM or blocks))
     with on_device(tensors[0]):

@@ -95,7 +95,7 @@ def configurations():
         raw = size == 2 and blocksparse.FORWARD_RAW
         for block, blocks in ((16, 32), (64, 8), (64, 16), (16, 64)):
             rows = min(block, blocksparse.ROW_WARPS)
-            inner = max(1, min(blocks, 32 * 16 // (size * block)))   # as _launch_rows
+            inner = blocksparse._row_inner("forward", size, block, blocks)
             for causal in (False, True):
                 found.append((f"blocksparse-fwd-rows-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
                               blocksparse._fwd_rows_kernel, fwd_rows,
@@ -108,13 +108,13 @@ def configurations():
                                      "INNER": 1, "RAW": False, "STREAM": held}, 1))
             found.append((f"blocksparse-bwd-rows-b{block}x{blocks}-{dtype}", blocksparse._bwd_rows_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **rows_table, "zero": "i32"},
-                          {"BLOCKS": blocks, "ROWS": rows, "B": block, "INNER": inner,
+                          {"BLOCKS": blocks, "ROWS": rows, "B": block,
+                           "INNER": blocksparse._row_inner("backward", size, block, blocks),
                            "RAW": size == 2 and blocksparse.ROW_RAW},
                           rows))
         found.append((f"blocksparse-fwd-rows-b64x16-long-{dtype}", blocksparse._fwd_rows_kernel, fwd_rows,
-                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1, "INNER": 16 // size,
-                       "RAW": raw, "STREAM": 16},
-                      1))
+                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1, "RAW": raw, "STREAM": 16,
+                       "INNER": blocksparse._row_inner("forward", size, 64, 16)}, 1))
     return found
 
 
