@@ -1,9 +1,9 @@
 """Block-sparse softmax over the nonzero blocks (Z, nnz, B, B) of a layout.
 
 The rows of a block-row are its B rows of elements, each spread over the block-row's blocks. Both
-directions hold each row's first blocks in registers, a warp a row, and stream the rest of a longer row
-twice (row kernels; the forward of short rows holds them across a warp's lanes instead, several rows a
-warp); layouts of float32 rows long enough for them take the backward's tile and loop kernels, which
+directions hold each row's first blocks in registers, ROW_WARPS rows a program, and stream the rest of a
+longer row twice (row kernels; the forward of short rows holds them across a warp's lanes instead, several
+rows a warp); layouts of float32 rows long enough for them take the backward's tile and loop kernels, which
 hold ROWS rows a program as a [BLOCKS, ROWS, B] slab, BLOCKS the power of two that covers the launch's
 longest block-row. When that pads the slabs enough less (a causal layout's block-rows run from one block
 to all), the block-rows are grouped by their block count's power of two, one launch per group (decided
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen, widen_again
+from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -88,7 +88,7 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, rows, nnz, scale,
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# Row kernels: a program holds ROW_WARPS rows of one block-row (a warp each), the first blocks of each in registers
+# Row kernels: a program holds ROW_WARPS rows of one block-row (a warp for each), the first blocks of each in registers
 # and the rest, if any, streamed twice; no power-of-two padding of whole rows, which the tile kernels pay on layouts
 # whose block-rows differ in length (causal). A row holds ROW_HELD elements (ROW_HELD_LONG where the layout's mean
 # row is ROW_LONG or more), at least ROW_MIN_BLOCKS blocks by element size, at most the power of two covering its
@@ -123,10 +123,16 @@ FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
 LOG2E = 1.4426950408889634
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
-FORWARD_RAW = False  # the forward's 16-bit rows held as loaded too, FORWARD_RAW_HELD elements of each
-FORWARD_RAW_HELD = 1024
-FORWARD_STREAM = None   # blocks of a row the forward streams at a time past its held ones (None: as many as held)
-ROW_INNER = {"forward": {4: None, 2: 2}, "backward": {4: 2, 2: 2}}   # blocks of a row side by side in a warp
+# The row kernels' slab is [BLOCKS // INNER, ROWS, INNER, B]: INNER blocks of a row lie side by side in a warp's lanes
+# (ROW_INNER by direction and element size; None: as many as fill its 32 lanes, a warp a row, whose max and sum are
+# then warp shuffles). With fewer, a warp's lanes take several rows and a row spreads over several warps, its
+# reductions through shared memory. Measured on an H200 in session 23 (tuning/triton-blocksparse-warp-rows.txt),
+# each comparison within one run: the forward's bf16 rows at 2 blocks against a warp a row, causal +0.03-0.05, b64
+# +0.015, the rest level; float32 a warp a row (level with the slab before, [ROWS, BLOCKS, B], which spread a row
+# over two warps; 4 blocks lost 0.07 at 51 % causal); the backward at 2 blocks, level with the slab before, where a
+# warp a row read 0.04 lower at b32 and b64 (bf16) and up to 0.05 higher at 50 %, and 1 or 4 blocks lost. Runs on
+# different machines differ by up to 0.05 in these cells.
+ROW_INNER = {"forward": {4: None, 2: 2}, "backward": {4: 2, 2: 2}}
 
 
 @triton.jit
@@ -241,14 +247,13 @@ def _row_top(x, c, SIGN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOCKS: tl.constexpr,
+def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr,
                      ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr,
-                     INNER: tl.constexpr, RAW: tl.constexpr, STREAM: tl.constexpr):
+                     INNER: tl.constexpr):
     """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
     the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
-    running max of c * x. The held blocks stay in registers, as their terms or (RAW, 16-bit rows) as loaded, their
-    terms formed again for the output; the rest of a longer row is streamed for an online max and sum, then again
-    for its output, STREAM blocks at a time. INNER: the slab's layout (_row_slab)."""
+    running max of c * x. The held blocks' terms stay in registers; the rest of a longer row is streamed for an
+    online max and sum, then again for its output. INNER: the slab's layout (_row_slab)."""
     group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     kept = i
     if CAUSAL:
@@ -259,9 +264,9 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOC
     e0 = fast_exp2(x0.to(tl.float32) * c - _per_row(safe_shift(held_max)))
     run_max = held_max
     run_sum = _row_sum(e0)
-    for first in range(BLOCKS, count, STREAM):
-        part, part_mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
-        x = _row_values(x_ptr, part, part_mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
+    for first in range(BLOCKS, count, BLOCKS):
+        part, part_mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
+        x = _row_values(x_ptr, part, part_mask, kept, first, SIGN, BLOCKS, B, CAUSAL, INNER)
         new_max = tl.maximum(run_max, _row_top(x, c, SIGN))
         shift = safe_shift(new_max)
         terms = fast_exp2(x.to(tl.float32) * c - _per_row(shift))
@@ -269,24 +274,21 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOC
         run_max = new_max
     safe_max = safe_shift(run_max)
     inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
-    for first in range(BLOCKS, count, STREAM):
-        part, part_mask = _row_slab(start, count, i, nnz, first, STREAM, ROWS, B, INNER)
-        x = _row_values(x_ptr, part, part_mask, kept, first, SIGN, STREAM, B, CAUSAL, INNER)
+    for first in range(BLOCKS, count, BLOCKS):
+        part, part_mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
+        x = _row_values(x_ptr, part, part_mask, kept, first, SIGN, BLOCKS, B, CAUSAL, INNER)
         y = fast_exp2(x.to(tl.float32) * c - _per_row(safe_max)) * _per_row(inverse)
         tl.store(out_ptr + part, y.to(out_ptr.dtype.element_ty), mask=part_mask)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
-    if RAW:
-        y0 = fast_exp2(widen_again(x0, zero) * c - _per_row(safe_max)) * _per_row(inverse)
-    else:
-        # 2**(c * x0 - safe_max) = e0 * 2**(held_max - safe_max); a held part with no unmasked element gives 0
-        y0 = e0 * _per_row(fast_exp2(held_max - safe_max) * inverse)
+    # 2**(c * x0 - safe_max) = e0 * 2**(held_max - safe_max); a held part with no unmasked element gives 0
+    y0 = e0 * _per_row(fast_exp2(held_max - safe_max) * inverse)
     tl.store(out_ptr + offsets, y0.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _row_blocks(lut, element_size, held=None):
-    """Blocks of each row that the row kernels hold (see ROW_HELD; or `held` elements)."""
+def _row_blocks(lut, element_size):
+    """Blocks of each row that the row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
-    held = held or (ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD)
+    held = ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD
     return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
 
 
@@ -305,9 +307,6 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=N
     blocks = blocks or _row_blocks(lut, size)
     rows = min(block, rows)
     inner = 1 if across else _row_inner("backward" if kernel is _bwd_rows_kernel else "forward", size, block, blocks)
-    if not across:
-        if kernel is _fwd_rows_kernel:
-            constexprs["STREAM"] = max(inner, min(blocks, FORWARD_STREAM or blocks))
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
@@ -384,18 +383,16 @@ def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     sign = (scale > 0) - (scale < 0)
     size = x.element_size()
-    raw = FORWARD_RAW and size == 2 and sign != 0
-    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal, 0)
+    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal)
     if lut.mean_blocks * lut.block <= FORWARD_ACROSS_UNTIL[size]:
         # the warps' lanes hold 16-byte pieces of their rows' blocks: B * size / 16 lanes a row
         rows = min(lut.block, max(1, FORWARD_ACROSS_WARPS * 32 * 16 // (lut.block * size)))
         blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS[size])
         _launch_rows(*args, rows=rows, warps=FORWARD_ACROSS_WARPS, blocks=blocks, across=True,
-                     CAUSAL=bool(is_causal), SIGN=sign, RAW=False, STREAM=blocks)
+                     CAUSAL=bool(is_causal), SIGN=sign)
         return
     one_row = lut.block >= FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= ROW_LONG
-    blocks = _row_blocks(lut, size, FORWARD_RAW_HELD if raw else None)
-    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, blocks=blocks, CAUSAL=bool(is_causal), SIGN=sign, RAW=raw)
+    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign)
 
 
 def backward(y, dy, dx, lut, scale):

@@ -45,7 +45,7 @@ def configurations():
                 tag = "-raw" if raw else ""
                 if n <= softmax.BACKWARD_TILE_MAX[size]:
                     found.append((f"softmax-bwd-tile-{dtype}-{n}{tag}", softmax._bwd_tile_kernel, bwd,
-                                  {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw, "STREAM": 16},
+                                  {"ROWS": rows, "BLOCK": n, "LOG": False, "RAW": raw},
                                   softmax.warps_for(2 * rows * n)))
         if size in softmax.PREFETCH_FROM:
             block = softmax.PREFETCH_FROM[size]
@@ -91,21 +91,20 @@ def configurations():
                           {"BLOCKS": slab, "ROWS": rows, "B": block}, blocksparse.warps_for(slab * rows * block)))
         rows_table = {"offsets_ptr": "*i32", "nnz": "i32", "scale": "fp32"}
         fwd_rows = {"x_ptr": ptr, "out_ptr": ptr, "offsets_ptr": "*i32", "nnz": "i32", "c": "fp32",
-                    "causal_ptr": "*i32", "zero": "i32"}
-        raw = size == 2 and blocksparse.FORWARD_RAW
-        for block, blocks in ((16, 32), (64, 8), (64, 16), (16, 64)):
+                    "causal_ptr": "*i32"}
+        for block, blocks in ((16, 32), (64, 8), (64, 16)):
             rows = min(block, blocksparse.ROW_WARPS)
             inner = blocksparse._row_inner("forward", size, block, blocks)
             for causal in (False, True):
                 found.append((f"blocksparse-fwd-rows-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
                               blocksparse._fwd_rows_kernel, fwd_rows,
                               {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1,
-                               "INNER": inner, "RAW": raw, "STREAM": blocks}, rows))
+                               "INNER": inner}, rows))
             across = max(1, min(block, 32 * (16 // size) // block))   # rows across one warp's lanes
             held = blocksparse.FORWARD_ACROSS_BLOCKS[size]
             found.append((f"blocksparse-fwd-across-b{block}x{held}-causal-{dtype}", blocksparse._fwd_rows_kernel,
                           fwd_rows, {"BLOCKS": held, "ROWS": across, "B": block, "CAUSAL": True, "SIGN": 1,
-                                     "INNER": 1, "RAW": False, "STREAM": held}, 1))
+                                     "INNER": 1}, 1))
             found.append((f"blocksparse-bwd-rows-b{block}x{blocks}-{dtype}", blocksparse._bwd_rows_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **rows_table, "zero": "i32"},
                           {"BLOCKS": blocks, "ROWS": rows, "B": block,
@@ -113,7 +112,7 @@ def configurations():
                            "RAW": size == 2 and blocksparse.ROW_RAW},
                           rows))
         found.append((f"blocksparse-fwd-rows-b64x16-long-{dtype}", blocksparse._fwd_rows_kernel, fwd_rows,
-                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1, "RAW": raw, "STREAM": 16,
+                      {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1,
                        "INNER": blocksparse._row_inner("forward", size, 64, 16)}, 1))
     return found
 
