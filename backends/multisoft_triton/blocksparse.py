@@ -88,15 +88,15 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, rows, nnz, scale,
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# Row kernels: a program holds ROW_WARPS rows of one block-row (a warp for each), the first blocks of each in registers
-# and the rest, if any, streamed twice; no power-of-two padding of whole rows, which the tile kernels pay on layouts
-# whose block-rows differ in length (causal). A row holds ROW_HELD elements (ROW_HELD_LONG where the layout's mean
-# row is ROW_LONG or more), at least ROW_MIN_BLOCKS blocks by element size, at most the power of two covering its
-# mean row. The backward's float32 layouts whose mean row is TILES_FROM or more take the tile kernels. Measured on
-# an H200 in sessions 14 and 15 (tuning/triton-blocksparse-rows-*.txt), backward: 512 held against 1024 (152
-# registers, 3 programs a multiprocessor, against 80 and 6) on the 25 % layouts, fp32 0.93-0.98 against 0.83-0.87,
-# bf16 0.77-0.84 against 0.70-0.77; 1024 at 50 % (bf16 0.85 against 0.81) and at B = 128 in float32 (0.98-0.99
-# against 0.85-0.94), the tile kernels at fp32 50 % (0.96-1.01 against 0.91-0.93).
+# Row kernels: a program holds ROW_WARPS rows of one block-row (a warp's worth of threads each, laid out by ROW_INNER),
+# the first blocks of each in registers and the rest, if any, streamed twice; no power-of-two padding of whole rows,
+# which the tile kernels pay on layouts whose block-rows differ in length (causal). A row holds ROW_HELD elements
+# (ROW_HELD_LONG where the layout's mean row is ROW_LONG or more), at least ROW_MIN_BLOCKS blocks by element size, at
+# most the power of two covering its mean row. The backward's float32 layouts whose mean row is TILES_FROM or more take
+# the tile kernels. Measured on an H200 in sessions 14 and 15 (tuning/triton-blocksparse-rows-*.txt), backward: 512 held
+# against 1024 (152 registers, 3 programs a multiprocessor, against 80 and 6) on the 25 % layouts, fp32 0.93-0.98
+# against 0.83-0.87, bf16 0.77-0.84 against 0.70-0.77; 1024 at 50 % (bf16 0.85 against 0.81) and at B = 128 in float32
+# (0.98-0.99 against 0.85-0.94), the tile kernels at fp32 50 % (0.96-1.01 against 0.91-0.93).
 ROW_BACKWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels only
 ROW_HELD, ROW_HELD_LONG, ROW_LONG = 512, 1024, 2048
 ROW_MIN_BLOCKS = {4: 8, 2: 4}
@@ -300,8 +300,9 @@ def _row_inner(direction, element_size, block, blocks):
 
 
 def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, across=False, **constexprs):
-    """One program per `rows` rows of a block-row, a warp a row (or `warps` warps in all, across: the rows across
-    their lanes), holding _row_blocks of each (or `blocks`); `extra` are the kernel's arguments after the scale."""
+    """One program per `rows` rows of a block-row, a warp's worth of threads a row laid out by _row_inner (or `warps`
+    warps in all, across: the rows across their lanes), holding _row_blocks of each (or `blocks`); `extra` are the
+    kernel's arguments after the scale."""
     block = lut.block
     size = tensors[0].element_size()
     blocks = blocks or _row_blocks(lut, size)
