@@ -300,8 +300,7 @@ __device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const
 // known at compile time, -1: log2lanes_ at launch).
 template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0, int LOG2LANES = 5>
 MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_bwd(const T* y, const T* dy, T* dx, const int* offsets, i64 Z, i64 nnz, i64 groups,
-                                 int block_rows, int log2b, float scale, int vec_ok, int log2lanes_,
-                                 int last_first) {
+                                 int block_rows, int log2b, float scale, int vec_ok, int log2lanes_) {
     static_assert(TPR == 32, "warps of rows");
     const int log2lanes = LOG2LANES >= 0 ? LOG2LANES : log2lanes_;
     const int lanes = 1 << log2lanes;
@@ -310,8 +309,7 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_bwd(const T* y, const T* dy, T* dx,
     const i64 total_rows = (Z * groups) << log2b;
     for (i64 rid = (i64)blockIdx.x * per_block + (threadIdx.x >> log2lanes); rid < total_rows;
          rid += (i64)gridDim.x * per_block) {
-        const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, last_first ? total_rows - 1 - rid : rid, nnz, groups,
-                                                    block_rows, log2b, lane, log2lanes);
+        const BsRow row = bs_row<BsVec<T>::LOG2VEC>(offsets, rid, nnz, groups, block_rows, log2b, lane, log2lanes);
         if (vec_ok) bs_bwd_row<T, VPT, true>(y, dy, dx, row, scale, lanes);
         else bs_bwd_row<T, VPT, false>(y, dy, dx, row, scale, lanes);
     }
@@ -417,7 +415,7 @@ __device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
 template <typename T, int WARPS, int CAP, int UNROLL = 1, int MIN_BLOCKS = 0, int LOG2LANES = 5>
 MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, const int* offsets, const int* causal_prefix, i64 Z,
                                         i64 nnz, i64 groups, int log2b, float scale, int causal, int log2lanes_,
-                                        int row_stride, int last_first) {
+                                        int row_stride) {
     using V = BsVec<T>;
     constexpr int VEC = V::VEC;
     extern __shared__ uint4 stage[];
@@ -431,11 +429,9 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
     const float c = scale * 1.4426950408889634f;
     const u32 flip = scale < 0.f ? (Elem<T>::PER_WORD == 1 ? 0x80000000u : 0x80008000u) : 0u;
     const float magnitude = fabsf(c);
-    // A warp's rows are consecutive, within one block-row (32 / lanes divides B): all or none of them exist. With
-    // last_first the blocks take the rows from the last (LAST_FIRST in blocksparse.py).
+    // A warp's rows are consecutive, within one block-row (32 / lanes divides B): all or none of them exist.
     for (i64 rid = (i64)blockIdx.x * block_rows + slot; rid < total_rows; rid += (i64)gridDim.x * block_rows) {
-        const auto row = bs_staged_row<V::LOG2VEC>(offsets, causal_prefix, last_first ? total_rows - 1 - rid : rid,
-                                                   nnz, groups, log2b, causal != 0);
+        const auto row = bs_staged_row<V::LOG2VEC>(offsets, causal_prefix, rid, nnz, groups, log2b, causal != 0);
         const int loaded = (row.kept + VEC - 1) >> V::LOG2VEC;  // vectors holding a kept element
         const int warp_loaded = groups_max(loaded, lanes);
         // 2^(c * x - t) of the staged vector v's elements, 0 past the kept prefix

@@ -21,9 +21,6 @@ STAGED = True
 # and from 64 where it is about 2048 (50 % 0.80 -> 0.94). Sizing the tile for the mean rather than the longest row
 # took the forward at 11 % from 0.51 to 0.64 (bf16) and 0.84 to 0.89 (float32).
 FORWARD_FLOATS = {4: (32,), 2: (32,)}
-# By direction: the staged forward's and the backward's blocks take the rows from the last. A causal layout's
-# block-rows grow down the layout, so in layout order the longest come last and the grid ends on a wave of them.
-LAST_FIRST = {"fwd": False, "bwd": False}
 BACKWARD_FLOATS = {4: (32, 64), 2: (40, 64)}
 
 
@@ -57,7 +54,7 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     staged = _staged_config(x, out, lut)
     if staged is not None:
         args = (ptr(x), ptr(out), ptr(lut.offsets), ptr(lut.causal), *sizes, log2b, f32(scale), i32(is_causal),
-                i32(staged.lanes.bit_length() - 1), i32(staged.row_stride), i32(LAST_FIRST["fwd"]))
+                i32(staged.lanes.bit_length() - 1), i32(staged.row_stride))
         launch(x, SOURCE, _catalog.blocksparse_staged_kernel(ctype(x.dtype), staged), (staged.grid(rows), 1, 1),
                (32 * staged.warps, 1, 1), args, shared_mem=staged.shared_bytes)
         return
@@ -72,6 +69,6 @@ def backward(y, dy, dx, lut, scale: float) -> None:
     lanes = _catalog.blocksparse_backward_lanes(lut.mean_blocks * lut.block, lut.block, y.element_size())
     cfg, grid = _row_config(y, lut, BACKWARD_FLOATS, lanes)
     args = (ptr(y), ptr(dy), ptr(dx), ptr(lut.offsets), *sizes, i32(lut.block_rows), log2b, f32(scale),
-            i32(aligned(y, dy, dx)), i32(lanes.bit_length() - 1), i32(LAST_FIRST["bwd"]))
+            i32(aligned(y, dy, dx)), i32(lanes.bit_length() - 1))
     launch(y, SOURCE, _catalog.blocksparse_kernel("bwd", ctype(y.dtype), cfg, lanes), grid, (cfg.threads, 1, 1),
            args)

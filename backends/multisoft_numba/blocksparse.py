@@ -71,9 +71,6 @@ WARPS = 4              # warps per thread block on the GPU
 # 0.89), the rest level; backward 64, bf16 11 % 0.88 -> 0.94 (causal 0.85 -> 0.89), the rest level (128 lost 0.05-0.07
 # on the bf16 b32-b128 layouts, 256 lost everywhere).
 ROW_LANE_BYTES = {"forward": 128, "backward": 64}
-# By direction: the thread blocks take the rows from the last. A causal layout's block-rows grow down the layout, so
-# in layout order the longest come last and the grid ends on a wave of them.
-LAST_FIRST = {"forward": False, "backward": False}
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
 # The simulator runs a thread per lane and pays for every one and for every barrier: one
@@ -91,11 +88,9 @@ def _jit(threads):
 
 
 @device_function
-def _row_place(z, row_id, rows, last_first, offsets, nnz, log2b, log2v):
+def _row_place(z, row, offsets, nnz, log2b, log2v):
     """(first block of the row's block-row, the row's vector count, block-row g, row i in the block,
-    vector offset of row i of the first block) for row (g, i) of batch entry z: row `row_id` of the `rows`, counted
-    from the last if last_first (LAST_FIRST)."""
-    row = rows - 1 - row_id if last_first else row_id
+    vector offset of row i of the first block) for row (g, i) of batch entry z."""
     i = row & ((int64(1) << log2b) - 1)
     group = row >> log2b
     first = int64(offsets[group])
@@ -181,7 +176,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
                 write(out, _vector_at(base, v, log2b, log2v), vals, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, last_first, c, stash):
+    def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c, stash):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
         saved = cuda.shared.array(0, float32)
@@ -190,7 +185,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
-                first, n_vectors, group, i, base = _row_place(z, row_id, rows, last_first, offsets, nnz, log2b, log2v)
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 kept = _causal_kept(causal_prefix, group, i, log2b) if causal else int64(0)
                 tiles = (n_vectors + tile - 1) // tile
                 # pass 1: the lane's running (max m, sum s of 2**(score - m)); vals ends as the last tile's terms
@@ -284,7 +279,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
                 write(dx, _vector_at(base, v, log2b, log2v), gs, k * width)
 
     @_jit(lanes * warps)
-    def blocksparse_backward(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, last_first, scale):
+    def blocksparse_backward(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, scale):
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(floats, float32)
         gs = cuda.local.array(floats, float32)
@@ -294,7 +289,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
-                first, n_vectors, group, i, base = _row_place(z, row_id, rows, last_first, offsets, nnz, log2b, log2v)
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 tiles = (n_vectors + tile - 1) // tile
                 dot = float32(0.0)
                 lost = float32(0.0)
@@ -410,8 +405,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
                 write(out, _vector_at(base, v, log2b, log2v), vec, 0)
 
     @_jit(lanes * warps)
-    def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, last_first, c,
-                                   stash):
+    def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c, stash):
         shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
         words = cuda.local.array(held, int32)
@@ -423,7 +417,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
-                first, n_vectors, group, i, base = _row_place(z, row_id, rows, last_first, offsets, nnz, log2b, log2v)
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 read_vectors = n_vectors   # vectors read: those holding kept elements
                 kept = int64(0)
                 if causal:
@@ -503,7 +497,7 @@ def _backward_packed_kernel(fmt, width, values, lanes, warps):
                 write(dx, _vector_at(base, v, log2b, log2v), vec, 0)
 
     @_jit(lanes * warps)
-    def blocksparse_backward_packed(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, last_first, scale):
+    def blocksparse_backward_packed(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, scale):
         shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(held, int32)
@@ -514,7 +508,7 @@ def _backward_packed_kernel(fmt, width, values, lanes, warps):
         while z < batch:
             row_id = int64(cuda.blockIdx.x) * warps + cuda.threadIdx.x // lanes
             while row_id < rows:
-                first, n_vectors, group, i, base = _row_place(z, row_id, rows, last_first, offsets, nnz, log2b, log2v)
+                first, n_vectors, group, i, base = _row_place(z, row_id, offsets, nnz, log2b, log2v)
                 tiles = (n_vectors + tile - 1) // tile
                 dot = float32(0.0)
                 lost = float32(0.0)
@@ -591,19 +585,20 @@ def _launch_shape(batch: int, rows: int, row: float, width: int, element_size: i
 def _common(tensors, lut, direction, positive_scale=True, causal=False):
     """(element format, vector width (at most B: no vector crosses blocks), 1-D word views,
     launch shape of the `direction` kernel, sizes: batch, rows per batch entry, nnz, log2 B, log2 of the vectors
-    per block row, 1 if the rows go from the last (LAST_FIRST))."""
+    per block row)."""
     fmt, width, views = vector_views(tuple(t.view(-1) for t in tensors), lut.block)
     batch = tensors[0].shape[0]
     rows = lut.heads * lut.block_rows * lut.block
     log2b = lut.block.bit_length() - 1
-    sizes = (batch, rows, lut.nnz, log2b, log2b - (width.bit_length() - 1), int(LAST_FIRST[direction]))
+    sizes = (batch, rows, lut.nnz, log2b, log2b - (width.bit_length() - 1))
     shape = _launch_shape(batch, rows, lut.mean_blocks * lut.block, width, tensors[0].element_size(), lut.block,
                           direction, positive_scale, causal)
     return fmt, width, views, shape, tuple(numpy.int64(v) for v in sizes)
 
 
 def forward(x, out, lut, scale: float, is_causal: bool) -> None:
-    fmt, width, views, shape, sizes = _common((x, out), lut, "forward", scale > 0, is_causal)
+    fmt, width, views, shape, (batch, rows, nnz, log2b, log2v) = _common((x, out), lut, "forward", scale > 0,
+                                                                         is_causal)
     lanes, warps, grid, floats = shape
     # held as words, masked elements are -inf bits, which only a positive scale keeps -inf
     packed = _packed(width, x.element_size()) and scale > 0
@@ -611,7 +606,7 @@ def forward(x, out, lut, scale: float, is_causal: bool) -> None:
     size = 2 if packed else 4   # bytes held per value
     stash = _stash_tiles(lut, floats, lanes, warps, size)
     launch(build(fmt, width, bool(is_causal), floats, lanes, warps), grid, lanes * warps,
-           (*views, lut.offsets, lut.causal, *sizes, numpy.float32(scale * LOG2E),
+           (*views, lut.offsets, lut.causal, batch, rows, nnz, log2b, log2v, numpy.float32(scale * LOG2E),
             numpy.int64(stash)), shared=stash * warps * lanes * floats * size)
 
 

@@ -133,19 +133,13 @@ ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (uti
 # warp a row read 0.04 lower at b32 and b64 (bf16) and up to 0.05 higher at 50 %, and 1 or 4 blocks lost. Runs on
 # different machines differ by up to 0.05 in these cells.
 ROW_INNER = {"forward": {4: None, 2: 2}, "backward": {4: 2, 2: 2}}
-# By direction: the row kernels' programs take the block-rows from the last. A causal layout's block-rows grow down
-# the layout, so in layout order the longest come last and the grid ends on a wave of them.
-ROW_LAST_FIRST = {"forward": False, "backward": False}
 
 
 @triton.jit
-def _row_program(offsets_ptr, ROWS: tl.constexpr, B: tl.constexpr, LAST_FIRST: tl.constexpr):
-    """This program's block-row (of all heads' block-rows), its first block, its block count, its rows in the block.
-    LAST_FIRST: the programs take the block-rows from the last (see ROW_LAST_FIRST)."""
+def _row_program(offsets_ptr, ROWS: tl.constexpr, B: tl.constexpr):
+    """This program's block-row (of all heads' block-rows), its first block, its block count, its rows in the block."""
     PARTS: tl.constexpr = B // ROWS
     pid = tl.program_id(0)
-    if LAST_FIRST:
-        pid = tl.num_programs(0) - 1 - pid
     group = pid // PARTS
     i = (pid % PARTS) * ROWS + tl.arange(0, ROWS)
     start = tl.load(offsets_ptr + group)
@@ -191,8 +185,8 @@ def _row_sum(x):
 @triton.jit
 def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, scale, zero,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, INNER: tl.constexpr,
-                     LAST_FIRST: tl.constexpr, RAW: tl.constexpr):
-    _, start, count, i = _row_program(offsets_ptr, ROWS, B, LAST_FIRST)
+                     RAW: tl.constexpr):
+    _, start, count, i = _row_program(offsets_ptr, ROWS, B)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
     y0 = tl.load(y_ptr + offsets, mask=mask, other=0.0)
     dy0 = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
@@ -255,12 +249,12 @@ def _row_top(x, c, SIGN: tl.constexpr):
 @triton.jit
 def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr,
                      ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr,
-                     INNER: tl.constexpr, LAST_FIRST: tl.constexpr):
+                     INNER: tl.constexpr):
     """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
     the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
     running max of c * x. The held blocks' terms stay in registers; the rest of a longer row is streamed for an
     online max and sum, then again for its output. INNER: the slab's layout (_row_slab)."""
-    group, start, count, i = _row_program(offsets_ptr, ROWS, B, LAST_FIRST)
+    group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     kept = i
     if CAUSAL:
         kept = _causal_kept(causal_ptr, group, i, B)
@@ -313,15 +307,13 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=N
     size = tensors[0].element_size()
     blocks = blocks or _row_blocks(lut, size)
     rows = min(block, rows)
-    direction = "backward" if kernel is _bwd_rows_kernel else "forward"
-    inner = 1 if across else _row_inner(direction, size, block, blocks)
+    inner = 1 if across else _row_inner("backward" if kernel is _bwd_rows_kernel else "forward", size, block, blocks)
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra, BLOCKS=blocks, ROWS=rows, B=block,
-                         INNER=inner, LAST_FIRST=ROW_LAST_FIRST[direction], num_warps=warps or rows, **LAUNCH,
-                         **constexprs)
+                         INNER=inner, num_warps=warps or rows, **LAUNCH, **constexprs)
 
 
 def _plan(blocks, block):

@@ -92,7 +92,6 @@ def configurations():
         rows_table = {"offsets_ptr": "*i32", "nnz": "i32", "scale": "fp32"}
         fwd_rows = {"x_ptr": ptr, "out_ptr": ptr, "offsets_ptr": "*i32", "nnz": "i32", "c": "fp32",
                     "causal_ptr": "*i32"}
-        last_first = blocksparse.ROW_LAST_FIRST
         for block, blocks in ((16, 32), (64, 8), (64, 16)):
             rows = min(block, blocksparse.ROW_WARPS)
             inner = blocksparse._row_inner("forward", size, block, blocks)
@@ -100,22 +99,21 @@ def configurations():
                 found.append((f"blocksparse-fwd-rows-b{block}x{blocks}{'-causal' if causal else ''}-{dtype}",
                               blocksparse._fwd_rows_kernel, fwd_rows,
                               {"BLOCKS": blocks, "ROWS": rows, "B": block, "CAUSAL": causal, "SIGN": 1,
-                               "INNER": inner, "LAST_FIRST": last_first["forward"]}, rows))
+                               "INNER": inner}, rows))
             across = max(1, min(block, 32 * (16 // size) // block))   # rows across one warp's lanes
             held = blocksparse.FORWARD_ACROSS_BLOCKS[size]
             found.append((f"blocksparse-fwd-across-b{block}x{held}-causal-{dtype}", blocksparse._fwd_rows_kernel,
                           fwd_rows, {"BLOCKS": held, "ROWS": across, "B": block, "CAUSAL": True, "SIGN": 1,
-                                     "INNER": 1, "LAST_FIRST": last_first["forward"]}, 1))
+                                     "INNER": 1}, 1))
             found.append((f"blocksparse-bwd-rows-b{block}x{blocks}-{dtype}", blocksparse._bwd_rows_kernel,
                           {"y_ptr": ptr, "dy_ptr": ptr, "dx_ptr": ptr, **rows_table, "zero": "i32"},
                           {"BLOCKS": blocks, "ROWS": rows, "B": block,
                            "INNER": blocksparse._row_inner("backward", size, block, blocks),
-                           "LAST_FIRST": last_first["backward"], "RAW": size == 2 and blocksparse.ROW_RAW},
+                           "RAW": size == 2 and blocksparse.ROW_RAW},
                           rows))
         found.append((f"blocksparse-fwd-rows-b64x16-long-{dtype}", blocksparse._fwd_rows_kernel, fwd_rows,
                       {"BLOCKS": 16, "ROWS": 1, "B": 64, "CAUSAL": False, "SIGN": 1,
-                       "INNER": blocksparse._row_inner("forward", size, 64, 16),
-                       "LAST_FIRST": last_first["forward"]}, 1))
+                       "INNER": blocksparse._row_inner("forward", size, 64, 16)}, 1))
     return found
 
 
