@@ -119,9 +119,10 @@ def configurations():
 
 def compile_for(kernel, signature, constexprs, num_warps, arch, options=None):
     """The cubin of `kernel` for sm_<arch>, pointers and M, N, C taken as multiples of 16 (as the launcher
-    specialises them on the GPU: without that no load is vectorised); `options`: more compile options
-    (maxnreg)."""
+    specialises them on the GPU: without that no load is vectorised), with the launchers' options
+    (utils.LAUNCH); `options`: more compile options (maxnreg)."""
     import triton
+    from multisoft_triton.utils import LAUNCH
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -130,7 +131,7 @@ def compile_for(kernel, signature, constexprs, num_warps, arch, options=None):
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, **(options or {})})
+                              options={"num_warps": num_warps, **LAUNCH, **(options or {})})
     return compiled.asm["cubin"]
 
 
