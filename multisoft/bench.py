@@ -389,13 +389,22 @@ def _hold_gpu(ms: float) -> None:
     torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
 
 
+# How many times longer than the host's measured time to queue a batch the GPU is held before it, and how far a
+# batch whose hold ran out may double it (past that, as for a call that synchronises inside, the times are kept).
+HOLD_MARGIN = 1.5
+HOLD_MARGIN_MAX = 24.0
+
+
 def queued_bench(fn: Callable, warmup: float, rep: float, max_batch: int = 32) -> float:
     """Median CUDA-event time of ``fn`` with its host time hidden, L2 flushed before each call.
 
     Before each batch of calls the GPU is held busy (a sleep kernel) for as long
     as the host needs to queue the batch, so every call finds the previous one's
     work queued behind it: the events time the GPU work, not the Python launching
-    it. A call that synchronises inside still waits for the host.
+    it. A call that the GPU began before the host had queued all of it (the hold
+    ran out: the host was slower than measured, or the sleep shorter) timed the
+    host too: it is left out and the next batches are held twice as long. A call
+    that synchronises inside still waits for the host.
     """
     import torch
 
@@ -414,28 +423,44 @@ def queued_bench(fn: Callable, warmup: float, rep: float, max_batch: int = 32) -
         fn()
     total = max(10, min(1000, int(rep / wall_ms)))
     batch = max(1, min(max_batch, int(40.0 / host_ms)))
+    margin = HOLD_MARGIN
     times: list[float] = []
     while len(times) < total:
         count = min(batch, total - len(times))
-        times += _events_times(fn, flush, count, 1.5 * count * host_ms)
+        clean = margin <= HOLD_MARGIN_MAX
+        kept = _events_times(fn, flush, count, margin * count * host_ms, clean_only=clean)
+        if clean and len(kept) < count:
+            margin *= 2
+        times += kept
     return statistics.median(times)
 
 
-def _events_times(fn: Callable, flush, count: int, hold_ms: float = 0.0) -> list[float]:
-    """CUDA-event times of ``count`` calls, L2 flushed before each; the GPU first held ``hold_ms``."""
+def _events_times(fn: Callable, flush, count: int, hold_ms: float = 0.0, clean_only: bool = False) -> list[float]:
+    """CUDA-event times of ``count`` calls, L2 flushed before each; the GPU first held ``hold_ms``.
+
+    ``clean_only``: only the calls that the GPU began after the host had queued all of their work (their start
+    event ran later, from a mark recorded on the idle stream, than the host took to queue them): the others timed
+    the host as well."""
     import torch
 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+    mark = torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    mark.record()
+    marked = time.perf_counter()
     if hold_ms:
         _hold_gpu(hold_ms)
+    queued = []
     for first, last in zip(starts, ends):
         flush.zero_()
         first.record()
         fn()
         last.record()
+        queued.append((time.perf_counter() - marked) * 1e3)
     torch.cuda.synchronize()
-    return [first.elapsed_time(last) for first, last in zip(starts, ends)]
+    return [first.elapsed_time(last) for first, last, host_ms in zip(starts, ends, queued)
+            if not clean_only or mark.elapsed_time(first) > host_ms]
 
 
 def event_bench(fn: Callable, warmup: float, rep: float) -> float:
