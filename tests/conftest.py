@@ -5,10 +5,14 @@ interpreter and numba under its CUDA simulator. This file sets
 TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 for that, before any test imports
 those frameworks (the library itself never sets them); ``--no-simulate`` turns
 it off. ``MULTISOFT_TEST_BACKENDS=a,b`` limits the agreement harness to those
-backends.
+backends. The fixture ``one_large_test_at_a_time`` runs the tests of more than
+2**31 elements (GPU only) one at a time across pytest-xdist's workers.
 """
 
+import contextlib
+import gc
 import os
+import tempfile
 import zlib
 
 import pytest
@@ -44,3 +48,25 @@ def _fresh_random_inputs(request):
     Python salts str hashes per process, so hash() gave each run other inputs (and other skips, where a
     random layout's size decides them)."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+LARGE_GIB = 40  # GPU memory the largest test of more than 2**31 elements needs, with its reference
+
+
+@pytest.fixture
+def one_large_test_at_a_time():
+    """For a test that needs tens of GiB of the GPU: one such test at a time across pytest-xdist's workers (a file
+    lock), skipped where the GPU has less than LARGE_GIB free, its memory handed back to the driver after it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the interpreter and the simulator cannot hold 2**31 elements)")
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), "multisoft-tests-large.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.ExitStack() as release:
+            release.callback(torch.cuda.empty_cache)
+            release.callback(gc.collect)
+            free, _ = torch.cuda.mem_get_info()
+            if free < LARGE_GIB << 30:
+                pytest.skip(f"needs {LARGE_GIB} GiB of free GPU memory, has {free / 2**30:.0f}")
+            yield

@@ -286,6 +286,68 @@ def test_blocksparse_softmax_scale_of_either_sign(backend, dtype, is_causal, sca
     assert_close(dx, dx_expected, dtype, "backward", magnitude)
 
 
+# -- tensors of more than 2**31 elements: every kernel's offsets in 64 bits. bfloat16, so the rows checked also start
+#    past 2**32 bytes; only those rows are compared, against the float64 reference.
+
+def _rows_past_2_31(rows, columns):
+    first = -(-(2**31) // columns)
+    assert first < rows
+    return slice(first, None)
+
+
+def _large_inputs_on(backend):
+    if backend == "torch":
+        pytest.skip("the reference backend indexes through torch")
+
+
+@pytest.mark.parametrize("shape", [(2**21 + 64, 1024), (2**14 + 16, 131_072)], ids=lambda s: "x".join(map(str, s)))
+@on_each_backend
+def test_softmax_past_2_31_elements(backend, shape, one_large_test_at_a_time):
+    _large_inputs_on(backend)
+    x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    y = multisoft.softmax(x, backend=backend)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    tail = _rows_past_2_31(*shape)
+    assert_close(y[tail], reference_softmax(x.detach()[tail], -1, False), torch.bfloat16, "forward")
+    y, dy = y[tail], dy[tail]
+    assert_close(dx[tail], reference_softmax_backward(y, dy, -1, False), torch.bfloat16, "backward",
+                 softmax_backward_magnitude(y, dy, -1, False))
+
+
+@on_each_backend
+def test_cross_entropy_past_2_31_elements(backend, one_large_test_at_a_time):
+    _large_inputs_on(backend)
+    shape = (2**14 + 16, 131_072)
+    logits = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    target = torch.randint(0, shape[1], (shape[0],), device=DEVICE)
+    loss = multisoft.cross_entropy(logits, target, reduction="none", label_smoothing=0.1, backend=backend)
+    grad_out = (torch.rand(shape[0], device=DEVICE) + 0.5).to(torch.bfloat16)
+    (grad,) = torch.autograd.grad(loss, logits, grad_out)
+    tail = _rows_past_2_31(*shape)
+    logits64 = logits.detach()[tail].double().requires_grad_()
+    expected = reference_cross_entropy(logits64, target[tail], reduction="none", label_smoothing=0.1)
+    assert_close(loss[tail], expected, torch.bfloat16, "loss")
+    (grad_expected,) = torch.autograd.grad(expected, logits64, grad_out[tail].double())
+    assert_close(grad[tail], grad_expected, torch.bfloat16, "gradient")
+
+
+@on_each_backend
+def test_blocksparse_softmax_past_2_31_elements(backend, one_large_test_at_a_time):
+    """Batch entry 8 of 9 starts at element 2**31 (a full 16 x 64 x 64 layout of 64 x 64 blocks: 2**28 elements
+    an entry); causal, so the rows run from 1 to 4096 elements."""
+    _large_inputs_on(backend)
+    block, layout = 64, torch.ones(16, 64, 64, dtype=torch.int64)
+    x = torch.randn(9, int(layout.sum()), block, block, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+    assert 8 * x[0].numel() == 2**31
+    y = multisoft.blocksparse_softmax(x, layout, block, scale=0.5, is_causal=True, backend=backend)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert_close(y[8:], reference_blocksparse(x.detach()[8:], layout, block, 0.5, True), torch.bfloat16, "forward")
+    dx_expected, magnitude = reference_blocksparse_backward(y[8:], dy[8:], layout, block, 0.5)
+    assert_close(dx[8:], dx_expected, torch.bfloat16, "backward", magnitude)
+
+
 # -- device and stream
 
 
