@@ -97,9 +97,24 @@ def _compile_case(nvrtc: NVRTC, case) -> int | str:
         return str(error)
 
 
+class _OnDemand(dict):
+    """Each case compiled when first asked for."""
+
+    def __init__(self, nvrtc: NVRTC):
+        super().__init__()
+        self.nvrtc = nvrtc
+
+    def __missing__(self, case):
+        self[case] = _compile_case(self.nvrtc, case)
+        return self[case]
+
+
 @pytest.fixture(scope="module")
 def compiled(nvrtc) -> dict:
-    """Every case, compiled on all cores at once (NVRTC calls release the GIL)."""
+    """Every case's cubin size or error. In one process, all compiled at once on every core (NVRTC calls release the
+    GIL); in a pytest-xdist worker, only the cases it runs (the workers share the cases and the cores)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return _OnDemand(nvrtc)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return dict(zip(CASES, pool.map(lambda case: _compile_case(nvrtc, case), CASES)))
 
