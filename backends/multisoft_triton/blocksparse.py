@@ -118,9 +118,6 @@ FORWARD_ONE_ROW_FROM = {4: 64, 2: 128}
 # full 0.955 -> 0.947); the 25-50 % layouts lost 0.03-0.40 (they hold a smaller share of their rows), and so did
 # 2 or 4 warps a program.
 FORWARD_ACROSS_UNTIL = {4: 512, 2: 512}
-# Registers a thread of the forward may take (ptxas .maxnreg), by element size; None: as many as it needs. Fewer
-# registers, more programs a multiprocessor and more bytes in flight; the values past the cap wait in local memory.
-FORWARD_MAXNREG = {4: None, 2: None}
 FORWARD_ACROSS_WARPS = 1
 FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
 LOG2E = 1.4426950408889634
@@ -302,23 +299,21 @@ def _row_inner(direction, element_size, block, blocks):
     return max(1, min(blocks, inner))
 
 
-def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, across=False, maxnreg=None,
-                 **constexprs):
+def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, across=False, **constexprs):
     """One program per `rows` rows of a block-row, a warp's worth of threads a row laid out by _row_inner (or `warps`
     warps in all, across: the rows across their lanes), holding _row_blocks of each (or `blocks`); `extra` are the
-    kernel's arguments after the scale; `maxnreg`: a cap on a thread's registers."""
+    kernel's arguments after the scale."""
     block = lut.block
     size = tensors[0].element_size()
     blocks = blocks or _row_blocks(lut, size)
     rows = min(block, rows)
     inner = 1 if across else _row_inner("backward" if kernel is _bwd_rows_kernel else "forward", size, block, blocks)
-    options = {**LAUNCH, "maxnreg": maxnreg} if maxnreg else LAUNCH
     with on_device(tensors[0]):
         for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
             part = [t[first:first + MAX_GRID_Z] for t in tensors]
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra, BLOCKS=blocks, ROWS=rows, B=block,
-                         INNER=inner, num_warps=warps or rows, **options, **constexprs)
+                         INNER=inner, num_warps=warps or rows, **LAUNCH, **constexprs)
 
 
 def _plan(blocks, block):
@@ -390,16 +385,15 @@ def forward(x, out, lut, scale, is_causal):
     sign = (scale > 0) - (scale < 0)
     size = x.element_size()
     args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal)
-    cap = FORWARD_MAXNREG.get(size)
     if lut.mean_blocks * lut.block <= FORWARD_ACROSS_UNTIL[size]:
         # the warps' lanes hold 16-byte pieces of their rows' blocks: B * size / 16 lanes a row
         rows = min(lut.block, max(1, FORWARD_ACROSS_WARPS * 32 * 16 // (lut.block * size)))
         blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS[size])
         _launch_rows(*args, rows=rows, warps=FORWARD_ACROSS_WARPS, blocks=blocks, across=True,
-                     CAUSAL=bool(is_causal), SIGN=sign, maxnreg=cap)
+                     CAUSAL=bool(is_causal), SIGN=sign)
         return
     one_row = lut.block >= FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= ROW_LONG
-    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign, maxnreg=cap)
+    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign)
 
 
 def backward(y, dy, dx, lut, scale):
