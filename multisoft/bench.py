@@ -418,25 +418,31 @@ def queued_bench(fn: Callable, warmup: float, rep: float, max_batch: int = 32) -
         fn()
     host_ms = (time.perf_counter() - start) * 1e3 / 3 + 0.02  # + the events' launches
     torch.cuda.synchronize()
-    wall_ms = max(host_ms, statistics.median(_events_times(fn, flush, 3, 4.5 * host_ms)))
+    wall_ms = max(host_ms, statistics.median(_events_times(fn, flush, 3, 4.5 * host_ms)[0]))
     for _ in range(max(1, int(warmup / wall_ms))):
         fn()
     total = max(10, min(1000, int(rep / wall_ms)))
     batch = max(1, min(max_batch, int(40.0 / host_ms)))
     margin = HOLD_MARGIN
+    clean = margin <= HOLD_MARGIN_MAX
     times: list[float] = []
     while len(times) < total:
         count = min(batch, total - len(times))
-        clean = margin <= HOLD_MARGIN_MAX
-        kept = _events_times(fn, flush, count, margin * count * host_ms, clean_only=clean)
+        kept, waited = _events_times(fn, flush, count, margin * count * host_ms, clean_only=clean)
         if clean and len(kept) < count:
-            margin *= 2
+            if waited:   # the host waited out the hold: a call that synchronises, which no longer hold would help
+                clean = False
+            else:
+                margin *= 2
+                clean = margin <= HOLD_MARGIN_MAX
         times += kept
     return statistics.median(times)
 
 
-def _events_times(fn: Callable, flush, count: int, hold_ms: float = 0.0, clean_only: bool = False) -> list[float]:
-    """CUDA-event times of ``count`` calls, L2 flushed before each; the GPU first held ``hold_ms``.
+def _events_times(fn: Callable, flush, count: int, hold_ms: float = 0.0,
+                  clean_only: bool = False) -> tuple[list[float], bool]:
+    """CUDA-event times of ``count`` calls, L2 flushed before each, the GPU first held ``hold_ms``; and whether
+    the host took at least the hold to queue them (it waited on the GPU: a call that synchronises).
 
     ``clean_only``: only the calls that the GPU began after the host had queued all of their work (their start
     event ran later, from a mark recorded on the idle stream, than the host took to queue them): the others timed
@@ -459,8 +465,9 @@ def _events_times(fn: Callable, flush, count: int, hold_ms: float = 0.0, clean_o
         last.record()
         queued.append((time.perf_counter() - marked) * 1e3)
     torch.cuda.synchronize()
-    return [first.elapsed_time(last) for first, last, host_ms in zip(starts, ends, queued)
-            if not clean_only or mark.elapsed_time(first) > host_ms]
+    times = [first.elapsed_time(last) for first, last, host_ms in zip(starts, ends, queued)
+             if not clean_only or mark.elapsed_time(first) > host_ms]
+    return times, bool(hold_ms) and queued[-1] >= hold_ms
 
 
 def event_bench(fn: Callable, warmup: float, rep: float) -> float:
@@ -480,7 +487,7 @@ def event_bench(fn: Callable, warmup: float, rep: float) -> float:
     estimate = max(start.elapsed_time(end) / 5, 1e-3)
     for _ in range(max(1, int(warmup / estimate))):
         fn()
-    return statistics.median(_events_times(fn, flush, max(1, int(rep / estimate))))
+    return statistics.median(_events_times(fn, flush, max(1, int(rep / estimate)))[0])
 
 
 def wall_us_per_call(fn: Callable, calls: int) -> float:

@@ -426,10 +426,14 @@ def test_queued_bench_leaves_out_calls_that_timed_the_host(monkeypatch, filtered
 
 
 def test_queued_bench_ends_for_a_call_that_synchronises(monkeypatch):
-    """Every call of one that synchronises inside times the host: the holds double up to HOLD_MARGIN_MAX, then
-    its times are kept as they are."""
+    """Every call of one that synchronises inside times the host, and the host waits out every hold: the times are
+    kept as they are from the first batch on, and no hold grows (on the H200 the doubling holds made torch's
+    cross-entropy, which synchronises at 8192 x 128256, take a minute a cell)."""
     line = _Timeline(cycles_per_ms=1000.0)
     line.patch(monkeypatch)
+    holds = []
+    hold = bench._hold_gpu
+    monkeypatch.setattr(bench, "_hold_gpu", lambda ms: (holds.append(ms), hold(ms)))
 
     def call():
         line.launch(0.1)
@@ -437,6 +441,8 @@ def test_queued_bench_ends_for_a_call_that_synchronises(monkeypatch):
         line.host += 0.3
 
     assert bench.queued_bench(call, warmup=5.0, rep=25.0) > 0.3
+    batches = holds[2:]   # after the calibration's and the first estimate's
+    assert batches and max(batches) <= batches[0] * (1 + 1e-9)
 
 
 def test_triton_resources_compiles_for_sm90_without_a_gpu():
