@@ -427,8 +427,8 @@ def test_queued_bench_leaves_out_calls_that_timed_the_host(monkeypatch, filtered
 
 def test_queued_bench_ends_for_a_call_that_synchronises(monkeypatch):
     """Every call of one that synchronises inside times the host, and the host waits out every hold: the times are
-    kept as they are from the first batch on, and no hold grows (on the H200 the doubling holds made torch's
-    cross-entropy, which synchronises at 8192 x 128256, take a minute a cell)."""
+    kept as they are from the first batch on, and no hold grows (on the H200, with the doubling holds, torch's
+    cross-entropy at 8192 x 128256 took a minute a cell; a call waiting on the GPU is the inferred cause)."""
     line = _Timeline(cycles_per_ms=1000.0)
     line.patch(monkeypatch)
     holds = []

@@ -19,12 +19,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--case", default="64:0.11:3", help="block:density:Z[:causal]")
-    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(bench.DTYPES))
     parser.add_argument("--calls", type=int, default=50)
     args = parser.parse_args(argv)
     block, density, z, *causal = args.case.split(":")
     block, z, causal = int(block), int(z), bool(causal)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    dtype = getattr(torch, bench.DTYPES[args.dtype])
     layout = bench.make_layout(block, float(density), causal, bench.HEADS, bench.SEQ).cuda()
     x = torch.randn(z, int(layout.sum()), block, block, device="cuda").to(dtype)
     grad = torch.randn_like(x)
@@ -45,7 +45,7 @@ def main(argv=None):
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000 // 1000 * 200)  # keep the GPU busy so the host never waits on it
+        bench._hold_gpu(200.0)  # the GPU busy for longer than the calls take to queue: the host never waits on it
         start = time.perf_counter()
         for _ in range(args.calls):
             call()
