@@ -16,7 +16,9 @@ import argparse
 import collections
 import csv
 import dataclasses
+import fnmatch
 import importlib.metadata
+import json
 import importlib.util
 import math
 import platform
@@ -24,7 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_type_hints
 
 OPS = ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax")
 OP_ALIASES = {"blocksparse": "blocksparse_softmax", "ce": "cross_entropy"}
@@ -65,6 +67,12 @@ DEFAULT_TARGET = 0.90
 TARGET_DIRECTIONS = {"softmax": ("forward", "backward"), "log_softmax": ("forward", "backward"),
                      "cross_entropy": ("forward+backward",), "blocksparse_softmax": ("forward", "backward")}
 SHORTFALL_REASONS = "benchmarks/README.md, \"Where the targets are not met yet\""
+# Why cells fall short of a target, as measured: rows of impl, op, direction, dtype, shape (fnmatch patterns) and why;
+# the first row that matches a cell below its target gives that cell's note in results.md.
+SHORTFALLS = "benchmarks/shortfalls.csv"
+SHORTFALL_COLUMNS = ("impl", "op", "direction", "dtype", "shape", "why")
+NO_REASON = "no reason on record"
+ENVIRONMENT_FILE = "environment.json"
 
 TORCH_PEER = "torch-native"
 LIGER_PEER = "liger"
@@ -127,6 +135,40 @@ class Overhead:
         if self.api_us is None or self.direct_us is None:
             return None
         return self.api_us - self.direct_us
+
+
+@dataclasses.dataclass
+class Shortfall:
+    """Why the cells that match these patterns (fnmatch, "|" between alternatives, on Timing's fields) fall short
+    of their target."""
+
+    impl: str
+    op: str
+    direction: str
+    dtype: str
+    shape: str
+    why: str
+
+    def matches(self, timing: Timing) -> bool:
+        return all(any(fnmatch.fnmatchcase(getattr(timing, name), pattern)
+                       for pattern in getattr(self, name).split("|")) for name in SHORTFALL_COLUMNS[:-1])
+
+
+def load_shortfalls(path: Path) -> list[Shortfall] | None:
+    """The rows of a shortfalls CSV (SHORTFALL_COLUMNS), or None when there is no such file."""
+    if not path.exists():
+        return None
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(row for row in handle if not row.startswith("#"))
+        if tuple(reader.fieldnames or ()) != SHORTFALL_COLUMNS:
+            raise ValueError(f"{path}: the columns must be {','.join(SHORTFALL_COLUMNS)}, got "
+                             f"{','.join(reader.fieldnames or ())}")
+        rows = list(reader)
+    for number, row in enumerate(rows, start=2):
+        if None in row or any(not row[name] for name in SHORTFALL_COLUMNS):
+            raise ValueError(f"{path}: row {number} (comments not counted) needs a value in each of "
+                             f"{', '.join(SHORTFALL_COLUMNS)}")
+    return [Shortfall(**row) for row in rows]
 
 
 @dataclasses.dataclass
@@ -252,6 +294,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=5.0, help="do_bench warm-up in ms (default %(default)g)")
     parser.add_argument("--rep", type=float, default=25.0, help="do_bench repetition time in ms "
                                                                 "(default %(default)g)")
+    parser.add_argument("--shortfalls", default=SHORTFALLS,
+                        help="CSV of why cells fall short of their target, for results.md (default: %(default)s; "
+                             "none if it does not exist)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="time nothing: write results.md (and the plots) again from the CSV files and "
+                             f"{ENVIRONMENT_FILE} in --out, e.g. after editing --shortfalls")
     args = parser.parse_args(argv)
     args.ops = _choices(args.ops, OPS, OP_ALIASES, "op", parser) if args.ops else list(OPS)
     args.dtypes = _choices(args.dtypes, tuple(DTYPES), DTYPE_ALIASES, "dtype", parser)
@@ -280,14 +328,25 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    import torch
-
-    if not torch.cuda.is_available():
-        print(NO_GPU_MESSAGE)
-        return 0
-    results = run(args)
     out = Path(args.out)
-    written = write_reports(results, out)
+    try:
+        shortfalls = load_shortfalls(Path(args.shortfalls))
+        if args.report_only:
+            results = read_results(out)
+    except (OSError, ValueError) as error:
+        print(f"multisoft bench: {error}", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(NO_GPU_MESSAGE)
+            return 0
+        results = run(args)
+    if args.report_only:  # the CSV files stay as the run wrote them
+        written = [write_markdown(results, out, shortfalls)]
+    else:
+        written = write_reports(results, out, shortfalls)
     if not args.no_plots:
         written += _write_plots(results, out)
     print(f"copy bandwidth: {results.copy_gb_per_s:.0f} GB/s" if results.copy_gb_per_s else "copy bandwidth: n/a")
@@ -986,9 +1045,13 @@ def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
     return path
 
 
-def write_reports(results: Results, out: Path) -> list[Path]:
+def write_reports(results: Results, out: Path, shortfalls: list[Shortfall] | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [write_csv(out / "timings.csv", results.timings)]
+    environment_path = out / ENVIRONMENT_FILE
+    environment_path.write_text(json.dumps({"environment": results.environment,
+                                            "copy_gb_per_s": results.copy_gb_per_s}, indent=1) + "\n")
+    paths.append(environment_path)
     if results.memory:
         paths.append(write_csv(out / "memory.csv", results.memory))
     if results.first_calls:
@@ -996,10 +1059,44 @@ def write_reports(results: Results, out: Path) -> list[Path]:
     if results.overhead:
         paths.append(write_csv(out / "overhead.csv", results.overhead,
                                {"difference_us": lambda row: row.difference_us}))
-    markdown = out / "results.md"
-    markdown.write_text(markdown_report(results))
-    paths.append(markdown)
+    paths.append(write_markdown(results, out, shortfalls))
     return paths
+
+
+def write_markdown(results: Results, out: Path, shortfalls: list[Shortfall] | None = None) -> Path:
+    markdown = out / "results.md"
+    markdown.write_text(markdown_report(results, shortfalls))
+    return markdown
+
+
+def _read_csv(path: Path, record: type) -> list:
+    """The rows of a CSV written by write_csv as ``record`` dataclasses (columns it lacks are ignored)."""
+    hints = get_type_hints(record)
+    fields = [field.name for field in dataclasses.fields(record)]
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+
+    def value(name, text):
+        kind = hints[name]
+        if text == "" and kind != str:
+            return None
+        return int(text) if kind is int else float(text) if kind in (float, float | None) else text
+
+    return [record(**{name: value(name, row[name]) for name in fields if name in row}) for row in rows]
+
+
+def read_results(out: Path) -> Results:
+    """The Results that write_reports wrote to ``out``."""
+    environment_path = out / ENVIRONMENT_FILE
+    if not environment_path.exists():
+        raise ValueError(f"{environment_path} not found: --report-only needs a folder written by a run that "
+                         f"saves it")
+    saved = json.loads(environment_path.read_text())
+    results = Results(saved["environment"], saved["copy_gb_per_s"], _read_csv(out / "timings.csv", Timing))
+    for name, record in (("memory", MemoryRecord), ("first_calls", FirstCall), ("overhead", Overhead)):
+        if (out / f"{name}.csv").exists():
+            setattr(results, name, _read_csv(out / f"{name}.csv", record))
+    return results
 
 
 def impl_order(timings: list[Timing]) -> list[str]:
@@ -1075,39 +1172,59 @@ def target_of(impl: str) -> float | None:
     return TARGETS.get(impl.split()[0], DEFAULT_TARGET)
 
 
-def _targets_section(timings: list[Timing]) -> list[str]:
-    """Per backend with a target: the cells it is held to, those below (rounded to two places, as the tables show
-    them); a cell that moves the bytes of a copy of its input that itself reaches less than the target says so."""
+def _shortfall_note(timing: Timing, target: float, copy_bound: float | None,
+                    shortfalls: list[Shortfall] | None) -> str:
+    """A below-target cell's note: the run's own (an error), a copy of its bytes that stays under the target
+    too, and the first matching shortfall's reason (NO_REASON when shortfalls are given and none matches)."""
+    notes = [timing.note]
+    if copy_bound is not None and round(copy_bound, 2) < target:
+        notes.append(f"a copy of its bytes reaches {copy_bound:.2f}")
+    if shortfalls is not None and not timing.note:
+        notes.append(next((s.why for s in shortfalls if s.matches(timing)), NO_REASON))
+    return "; ".join(note for note in notes if note)
+
+
+def against_targets(timings: list[Timing]) -> dict[str, tuple[float, list[Timing], list[Timing]]]:
+    """Per backend (or variant) with a target: (target, the cells held to it, those below it, rounded to two
+    places as the tables show them)."""
     held = [t for t in timings if t.role == "backend" and target_of(t.impl) is not None
             and t.direction in TARGET_DIRECTIONS.get(t.op, ()) and ("headline" in t.group or t.group == "layout")]
-    if not held:
-        return []
-    copies = {(t.shape, t.dtype, t.bytes): t.fraction_of_copy for t in timings if t.role == "copy"}
-    lines = ["## against the targets", "",
-             "Cells held to a backend's target: "
-             + "; ".join(f"{op} {', '.join(directions)}" for op, directions in TARGET_DIRECTIONS.items())
-             + ", on the headline shapes and the layouts (not the sweep). Below a target: the cell as the tables "
-             f"round it is under it. Why each falls short, as measured: {SHORTFALL_REASONS}.", "",
-             "| backend | target | cells | below | below, by op and direction |", "|---|---:|---:|---:|---|"]
-    below_of = {}
+    verdicts = {}
     for impl in dict.fromkeys(t.impl for t in held):
         cells = [t for t in held if t.impl == impl]
         target = target_of(impl)
         below = [t for t in cells if t.fraction_of_copy is None or round(t.fraction_of_copy, 2) < target]
-        below_of[impl] = target, below
+        verdicts[impl] = target, cells, below
+    return verdicts
+
+
+def _targets_section(timings: list[Timing], shortfalls: list[Shortfall] | None = None) -> list[str]:
+    """Per backend with a target: how many cells it is held to and falls below, then those cells, each with why
+    (_shortfall_note)."""
+    verdicts = against_targets(timings)
+    if not verdicts:
+        return []
+    copies = {(t.shape, t.dtype, t.bytes): t.fraction_of_copy for t in timings if t.role == "copy"}
+    why = SHORTFALL_REASONS if shortfalls is None else \
+        f"the note of each cell below (the files it names are in benchmarks/results/tuning/; more: {SHORTFALL_REASONS})"
+    lines = ["## against the targets", "",
+             "Cells held to a backend's target: "
+             + "; ".join(f"{op} {', '.join(directions)}" for op, directions in TARGET_DIRECTIONS.items())
+             + ", on the headline shapes and the layouts (not the sweep). Below a target: the cell as the tables "
+             f"round it is under it. Why each falls short, as measured: {why}.", "",
+             "| backend | target | cells | below | below, by op and direction |", "|---|---:|---:|---:|---|"]
+    for impl, (target, cells, below) in verdicts.items():
         counts = collections.Counter(f"{t.op} {t.direction}" for t in below)
         lines.append(f"| {impl} | {target:.2f} | {len(cells)} | {len(below)} | "
                      + ", ".join(f"{key} {count}" for key, count in counts.items()) + " |")
     lines.append("")
-    for impl, (target, below) in below_of.items():
+    for impl, (target, _, below) in verdicts.items():
         if not below:
             continue
         lines += [f"<details><summary>{impl}: the {len(below)} cells below {target:.2f}</summary>", "",
                   "| op | direction | shape | dtype | fraction of copy | note |", "|---|---|---|---|---:|---|"]
         for t in below:
-            bound = copies.get((t.shape, t.dtype, t.bytes))
-            note = t.note or (f"a copy of its bytes reaches {bound:.2f}" if bound is not None
-                              and round(bound, 2) < target else "")
+            note = _shortfall_note(t, target, copies.get((t.shape, t.dtype, t.bytes)), shortfalls)
             lines.append(f"| {t.op} | {t.direction} | {t.shape} | {t.dtype} | {_number(t.fraction_of_copy, 2)} | "
                          f"{note} |")
         lines += ["", "</details>", ""]
@@ -1118,7 +1235,7 @@ def _number(value, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def markdown_report(results: Results) -> str:
+def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None) -> str:
     env = dict(results.environment)
     at_end = env.pop(COPY_AT_END, None)
     copy = results.copy_gb_per_s
@@ -1136,7 +1253,7 @@ def markdown_report(results: Results) -> str:
         lines += ["These times include host overhead wherever the host launches a call more slowly than the GPU "
                   "runs it (small tensors, forward+backward through autograd); `--timer queued` times the GPU "
                   "work only.", ""]
-    lines += _targets_section(results.timings)
+    lines += _targets_section(results.timings, shortfalls)
     ops = list(dict.fromkeys(t.op for t in results.timings if t.role != "copy"))
     for op in ops:
         lines += _op_section(op, [t for t in results.timings if t.op == op])

@@ -173,7 +173,7 @@ def test_reports(tmp_path):
     results = _fake_results()
     paths = bench.write_reports(results, tmp_path / "out")
     names = sorted(p.name for p in paths)
-    assert names == ["first_calls.csv", "memory.csv", "overhead.csv", "results.md", "timings.csv"]
+    assert names == ["environment.json", "first_calls.csv", "memory.csv", "overhead.csv", "results.md", "timings.csv"]
 
     with open(tmp_path / "out" / "timings.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -239,6 +239,95 @@ def test_targets_section_lists_the_cells_below_each_backends_target():
     # numba's target is 0.80: the copy of these bytes (0.87) does not bound it
     assert "| softmax | backward | 32768x1024 | bf16 | 0.79 |  |" in text
     assert bench._targets_section([copy]) == []
+
+
+def test_reports_read_back(tmp_path):
+    results = _fake_results()
+    bench.write_reports(results, tmp_path)
+    again = bench.read_results(tmp_path)
+    assert again.environment == results.environment and again.copy_gb_per_s == results.copy_gb_per_s
+    assert [(t.op, t.impl, t.dtype, t.shape, t.direction, t.note) for t in again.timings] == \
+        [(t.op, t.impl, t.dtype, t.shape, t.direction, t.note) for t in results.timings]
+    for read, written in zip(again.timings, results.timings):
+        assert read.n == written.n and read.bytes == written.bytes
+        for name in ("ms", "gb_per_s", "fraction_of_copy"):
+            value = getattr(written, name)
+            assert getattr(read, name) == (None if value is None else pytest.approx(value, rel=1e-5))
+    assert again.memory[2].peak_mib is None and again.memory[1].peak_mib == 0.5
+    assert again.first_calls == results.first_calls and again.overhead == results.overhead
+    assert bench.markdown_report(again) == bench.markdown_report(results)
+
+
+def _write_shortfalls(path, rows):
+    path.write_text("# why cells fall short\n" + ",".join(bench.SHORTFALL_COLUMNS) + "\n"
+                    + "".join(",".join(row) + "\n" for row in rows))
+    return path
+
+
+def test_shortfalls_give_each_cell_below_its_reason(tmp_path):
+    shortfalls = bench.load_shortfalls(_write_shortfalls(tmp_path / "s.csv", [
+        ("triton", "*softmax", "forward", "bf16", "*x512|*x1024", "short rows"),
+        ("*", "blocksparse_softmax", "*", "*", "b16 *", "small blocks"),
+        ("triton", "softmax", "forward", "*", "*", "never reached: the first row matches first"),
+    ]))
+    forward = _timing("softmax", "triton", "bf16", "32768x1024", "forward", 0.894)
+    copy = bench.Timing("copy", "torch", "copy", "bf16", "headline", "32768x1024", 1024, "copy", 0.04,
+                        forward.bytes, 3480.0, 0.87)
+    timings = [copy, forward,
+               _timing("log_softmax", "triton", "bf16", "32768x1024", "forward", 0.80),
+               _timing("blocksparse_softmax", "numba", "fp32", "b16 25% Z1", "backward", 0.70, group="layout"),
+               _timing("softmax", "triton", "fp32", "1024x131072", "backward", 0.85),
+               _timing("softmax", "triton", "fp32", "1024x131072", "forward", None, note="error: boom")]
+    text = "\n".join(bench._targets_section(timings, shortfalls))
+    assert "| softmax | forward | 32768x1024 | bf16 | 0.89 | a copy of its bytes reaches 0.87; short rows |" in text
+    assert "| log_softmax | forward | 32768x1024 | bf16 | 0.80 | a copy of its bytes reaches 0.87; short rows |" in text
+    assert "| blocksparse_softmax | backward | b16 25% Z1 | fp32 | 0.70 | small blocks |" in text
+    assert f"| softmax | backward | 1024x131072 | fp32 | 0.85 | {bench.NO_REASON} |" in text
+    assert "| softmax | forward | 1024x131072 | fp32 | — | error: boom |" in text
+    assert "never reached" not in text
+    assert "the note of each cell below" in text
+    # without a shortfalls file the cells keep the run's own notes only
+    assert bench.NO_REASON not in "\n".join(bench._targets_section(timings))
+
+
+def test_load_shortfalls_names_what_is_wrong(tmp_path):
+    assert bench.load_shortfalls(tmp_path / "none.csv") is None
+    (tmp_path / "columns.csv").write_text("impl,op,why\ntriton,softmax,x\n")
+    with pytest.raises(ValueError, match="columns must be impl,op,direction,dtype,shape,why"):
+        bench.load_shortfalls(tmp_path / "columns.csv")
+    short = _write_shortfalls(tmp_path / "short.csv", [("triton", "softmax", "forward", "bf16", "*", "")])
+    with pytest.raises(ValueError, match="row 2 .* needs a value"):
+        bench.load_shortfalls(short)
+
+
+def test_report_only_writes_results_md_again(tmp_path, capsys):
+    out = tmp_path / "out"
+    results = _fake_results()
+    results.timings.append(_timing("softmax", "triton", "fp32", "1024x131072", "forward", 0.5))
+    bench.write_reports(results, out)
+    shortfalls = _write_shortfalls(tmp_path / "s.csv", [("triton", "softmax", "*", "*", "*x131072", "long rows")])
+    assert "long rows" not in (out / "results.md").read_text()
+    timings_csv = (out / "timings.csv").read_text()
+    assert bench.main(["--report-only", "--no-plots", "--out", str(out), "--shortfalls", str(shortfalls)]) == 0
+    assert (out / "timings.csv").read_text() == timings_csv
+    assert "| softmax | forward | 1024x131072 | fp32 | 0.50 | long rows |" in (out / "results.md").read_text()
+    (out / bench.ENVIRONMENT_FILE).unlink()
+    assert bench.main(["--report-only", "--no-plots", "--out", str(out)]) == 2
+    assert "environment.json not found" in capsys.readouterr().err
+
+
+def test_the_committed_results_give_a_reason_for_every_cell_below_its_target():
+    """The issues ask for the cells that fall short to stay in the results with the reason found: every cell of
+    benchmarks/results/ below its target takes its reason from a row of benchmarks/shortfalls.csv (the first that
+    matches it), and every row is that for some cell (none stale or shadowed)."""
+    shortfalls = bench.load_shortfalls(ROOT / bench.SHORTFALLS)
+    results = bench.read_results(ROOT / "benchmarks" / "results")
+    below = [t for _, _, cells in bench.against_targets(results.timings).values() for t in cells if not t.note]
+    assert below
+    first = [next((s for s in shortfalls if s.matches(t)), None) for t in below]
+    assert [(t.impl, t.op, t.direction, t.dtype, t.shape) for t, s in zip(below, first) if s is None] == []
+    assert [s for s in shortfalls if s not in first] == []
+    assert (ROOT / "benchmarks" / "results" / "results.md").read_text() == bench.markdown_report(results, shortfalls)
 
 
 def test_plots(tmp_path):
