@@ -299,6 +299,15 @@ def _row_inner(direction, element_size, block, blocks):
     return max(1, min(blocks, inner))
 
 
+def _batch_parts(tensors):
+    """The tensors in parts of at most MAX_GRID_Z batch entries, the grid's second axis: as they are when they fit
+    (slicing costs host time on every call)."""
+    z = tensors[0].shape[0]
+    if z <= MAX_GRID_Z:
+        return [tensors]
+    return [[t[first:first + MAX_GRID_Z] for t in tensors] for first in range(0, z, MAX_GRID_Z)]
+
+
 def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=None, across=False, **constexprs):
     """One program per `rows` rows of a block-row, a warp's worth of threads a row laid out by _row_inner (or `warps`
     warps in all, across: the rows across their lanes), holding _row_blocks of each (or `blocks`); `extra` are the
@@ -309,8 +318,7 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=N
     rows = min(block, rows)
     inner = 1 if across else _row_inner("backward" if kernel is _bwd_rows_kernel else "forward", size, block, blocks)
     with on_device(tensors[0]):
-        for first in range(0, tensors[0].shape[0], MAX_GRID_Z):
-            part = [t[first:first + MAX_GRID_Z] for t in tensors]
+        for part in _batch_parts(tensors):
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
             kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra, BLOCKS=blocks, ROWS=rows, B=block,
                          INNER=inner, num_warps=warps or rows, **LAUNCH, **constexprs)
@@ -371,8 +379,7 @@ def _schedule(lut, save):
 def _launch(kernels, lut, tensors, scale):
     save = BUCKETS_SAVE[tensors[0].element_size()]
     with on_device(tensors[0]):
-        for first in range(0, tensors[0].shape[0], MAX_GRID_Z):  # the grid's second axis holds Z
-            part = [t[first:first + MAX_GRID_Z] for t in tensors]
+        for part in _batch_parts(tensors):
             for table, groups, (tile, blocks, rows) in _schedule(lut, save):
                 kernel = kernels[0] if tile else kernels[1]
                 grid = (triton.cdiv(groups * lut.block, rows), part[0].shape[0])
