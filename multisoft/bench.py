@@ -18,8 +18,8 @@ import csv
 import dataclasses
 import fnmatch
 import importlib.metadata
-import json
 import importlib.util
+import json
 import math
 import platform
 import statistics
