@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +328,8 @@ def test_the_committed_results_give_a_reason_for_every_cell_below_its_target():
     first = [next((s for s in shortfalls if s.matches(t)), None) for t in below]
     assert [(t.impl, t.op, t.direction, t.dtype, t.shape) for t, s in zip(below, first) if s is None] == []
     assert [s for s in shortfalls if s not in first] == []
+    named = {name for s in shortfalls for name in re.findall(r"[\w*.-]+\.txt", s.why)}
+    assert named and [name for name in named if not list((ROOT / "benchmarks/results/tuning").glob(name))] == []
     assert (ROOT / "benchmarks" / "results" / "results.md").read_text() == bench.markdown_report(results, shortfalls)
 
 
