@@ -336,6 +336,29 @@ struct BsStagedRow {
         const int log2vpb = log2b - LOG2VEC;
         return base + ((i64)(v >> log2vpb) << (2 * log2b)) + ((v & ((1 << log2vpb) - 1)) << LOG2VEC);
     }
+
+    // The row's vectors v, v + lanes, v + 2 lanes, ... in tensor t, a step at a time: `p` points at the current
+    // one. A step moves `lanes` vectors along the row, carrying into the next blocks (B * B - B elements on from a
+    // block's row piece's end) where it passes a block's B elements: a few 32-bit operations and one wide add, where
+    // offset() takes a dozen 64-bit operations per vector.
+    template <typename P>
+    struct Walk {
+        P* p;
+        int in_block;  // the current vector's place in its block's row piece
+        int lanes, log2vpb, jump;
+
+        __device__ __forceinline__ void next() {
+            const int q = in_block + lanes;
+            p += (lanes << LOG2VEC) + (q >> log2vpb) * jump;
+            in_block = q & ((1 << log2vpb) - 1);
+        }
+    };
+
+    template <typename P>
+    __device__ __forceinline__ Walk<P> walk(P* t, int v, int lanes) const {
+        const int log2vpb = log2b - LOG2VEC;
+        return Walk<P>{t + offset(v), v & ((1 << log2vpb) - 1), lanes, log2vpb, (1 << (2 * log2b)) - (1 << log2b)};
+    }
 };
 
 template <int LOG2VEC>
@@ -363,7 +386,8 @@ __device__ __forceinline__ BsStagedRow<LOG2VEC> bs_staged_row(const int* offsets
 template <typename T, int LOG2VEC>
 __device__ __forceinline__ void bs_stage(uint4* buf, const T* src, const BsStagedRow<LOG2VEC>& row, int first,
                                          int count, int lane, int lanes) {
-    for (int v = lane; v < count; v += lanes) cp_async16(buf + v, src + row.offset(first + v));
+    auto at = row.walk(src, first + lane, lanes);
+    for (int v = lane; v < count; v += lanes, at.next()) cp_async16(buf + v, at.p);
 }
 
 // The largest score (scale * x) among a staged vector's elements 0 .. valid - 1, as the raw word(s) that hold
@@ -403,6 +427,50 @@ __device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
     }
 }
 
+// 2^(c * x - t) of a staged vector's elements; PARTIAL (the row's vector that its kept prefix ends in): 0 from
+// element `valid` on.
+template <typename T, bool PARTIAL>
+__device__ __forceinline__ void bs_terms(const uint4& q, float c, float t, int valid, float (&f)[BsVec<T>::VEC]) {
+    constexpr int VEC = BsVec<T>::VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) f[e] = exp2_approx(fmaf(BsVec<T>::get(q, e), c, -t));
+    if constexpr (PARTIAL) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) f[e] = e < valid ? f[e] : 0.f;
+    }
+}
+
+// acc plus the sum of bs_terms.
+template <typename T, bool PARTIAL>
+__device__ __forceinline__ float bs_terms_sum(float acc, const uint4& q, float c, float t, int valid) {
+    constexpr int VEC = BsVec<T>::VEC;
+    float f[VEC];
+    bs_terms<T, PARTIAL>(q, c, t, valid, f);
+#pragma unroll
+    for (int step = 1; step < VEC; step *= 2)  // a tree: log2(VEC) dependent adds, not VEC
+#pragma unroll
+        for (int e = 0; e < VEC; e += 2 * step) f[e] += f[e + step];
+    return acc + f[0];
+}
+
+// bs_terms times inv, written to p as T.
+template <typename T, bool PARTIAL>
+__device__ __forceinline__ void bs_put(T* p, const uint4& q, float c, float t, float inv, int valid) {
+    float f[BsVec<T>::VEC];
+    bs_terms<T, PARTIAL>(q, c, t, valid, f);
+#pragma unroll
+    for (int e = 0; e < BsVec<T>::VEC; ++e) f[e] *= inv;
+    *reinterpret_cast<uint4*>(p) = bs_pack<T>(f);
+}
+
+// The larger of the raw word(s) `top` and bs_max_word.
+template <typename T>
+__device__ __forceinline__ u32 bs_top(u32 top, const uint4& q, u32 flip, int valid) {
+    const u32 w = bs_max_word<T>(q, flip, valid);
+    if constexpr (Elem<T>::PER_WORD == 1) return __float_as_uint(fmaxf(__uint_as_float(top), __uint_as_float(w)));
+    else return max_pairs<T>(top, w);
+}
+
 // out = softmax(scale * x) of each row; dynamic shared memory: WARPS x 32 / lanes row buffers, row_stride 16-byte
 // vectors apart (CAP, padded where fewer than 8 lanes a row would read the same banks). With c = scale * log2(e)
 // and t = c * x* (x* the element of the largest score), exp(scale * x - scale * x*) = 2^(c * x - t) takes one FMA
@@ -434,28 +502,21 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
         const auto row = bs_staged_row<V::LOG2VEC>(offsets, causal_prefix, rid, nnz, groups, log2b, causal != 0);
         const int loaded = (row.kept + VEC - 1) >> V::LOG2VEC;  // vectors holding a kept element
         const int warp_loaded = groups_max(loaded, lanes);
-        // 2^(c * x - t) of the staged vector v's elements, 0 past the kept prefix
-        auto terms = [&](const uint4& q, int v, float t, float (&f)[VEC]) {
-            const int valid = row.kept - v * VEC;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) f[e] = exp2_approx(fmaf(V::get(q, e), c, -t));
-            if (valid < VEC) {
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) f[e] = e < valid ? f[e] : 0.f;
-            }
-        };
+        const int whole = row.kept >> V::LOG2VEC;  // vectors whose elements are all kept; at most one more is loaded
+        // Each pass below takes a lane's whole vectors of the part in a loop, then the partial one if it is the
+        // lane's (v ends there: the part's vectors from `full` on are that one at most), so that the loops test no
+        // element against the kept prefix.
         float t = -MS_INF, s = 0.f;
         for (int first = 0; first < warp_loaded; first += CAP) {
             const int count = max(0, min(CAP, loaded - first));
+            const int full = max(0, min(count, whole - first));
             bs_stage(buf, x, row, first, count, lane, lanes);
             cp_async_wait_all();
             u32 top = V::splat(-MS_INF).x;
+            int v = lane;
 #pragma unroll UNROLL
-            for (int v = lane; v < count; v += lanes) {
-                const u32 w = bs_max_word<T>(buf[v], flip, row.kept - (first + v) * VEC);
-                if constexpr (Elem<T>::PER_WORD == 1) top = __float_as_uint(fmaxf(__uint_as_float(top), __uint_as_float(w)));
-                else top = max_pairs<T>(top, w);
-            }
+            for (; v < full; v += lanes) top = bs_top<T>(top, buf[v], flip, VEC);
+            if (v < count) top = bs_top<T>(top, buf[v], flip, row.kept - (first + v) * VEC);
             // the part's largest score times log2(e): |c| * (the largest flipped x)
             const float top_x = Elem<T>::PER_WORD == 1 ? __uint_as_float(top)
                                                        : fmaxf(Elem<T>::get(top, 0), Elem<T>::get(top, 1));
@@ -463,16 +524,10 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
             const bool any = t_new != -MS_INF;  // an element kept so far
             float acc = 0.f;
             if (any) {
+                v = lane;
 #pragma unroll UNROLL
-                for (int v = lane; v < count; v += lanes) {
-                    float f[VEC];
-                    terms(buf[v], first + v, t_new, f);
-#pragma unroll
-                    for (int step = 1; step < VEC; step *= 2)  // a tree: log2(VEC) dependent adds, not VEC
-#pragma unroll
-                        for (int e = 0; e < VEC; e += 2 * step) f[e] += f[e + step];
-                    acc += f[0];
-                }
+                for (; v < full; v += lanes) acc = bs_terms_sum<T, false>(acc, buf[v], c, t_new, VEC);
+                if (v < count) acc = bs_terms_sum<T, true>(acc, buf[v], c, t_new, row.kept - (first + v) * VEC);
             }
             acc = group_sum(acc, lanes);
             if (any) {
@@ -491,17 +546,16 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
                     bs_stage(buf, x, row, first, count, lane, lanes);
                     cp_async_wait_all();
                 }
+                const int full = max(0, min(count, whole - first));
+                auto at = row.walk(out, first + lane, lanes);
+                int v = lane;
 #pragma unroll 2
-                for (int v = lane; v < count; v += lanes) {
-                    float f[VEC];
-                    terms(buf[v], first + v, t, f);
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) f[e] *= inv;
-                    *reinterpret_cast<uint4*>(out + row.offset(first + v)) = bs_pack<T>(f);
-                }
+                for (; v < full; v += lanes, at.next()) bs_put<T, false>(at.p, buf[v], c, t, inv, VEC);
+                if (v < count) bs_put<T, true>(at.p, buf[v], c, t, inv, row.kept - (first + v) * VEC);
             }
         }
-        for (int v = zeros_from + lane; v < row.vectors; v += lanes)
-            *reinterpret_cast<uint4*>(out + row.offset(v)) = make_uint4(0u, 0u, 0u, 0u);
+        auto at = row.walk(out, zeros_from + lane, lanes);
+        for (int v = zeros_from + lane; v < row.vectors; v += lanes, at.next())
+            *reinterpret_cast<uint4*>(at.p) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
