@@ -70,7 +70,6 @@ SHORTFALL_REASONS = "benchmarks/README.md, \"Where the targets are not met yet\"
 # Why cells fall short of a target, as measured: rows of impl, op, direction, dtype, shape (fnmatch patterns) and why;
 # the first row that matches a cell below its target gives that cell's note in results.md.
 SHORTFALLS = "benchmarks/shortfalls.csv"
-SHORTFALL_COLUMNS = ("impl", "op", "direction", "dtype", "shape", "why")
 NO_REASON = "no reason on record"
 ENVIRONMENT_FILE = "environment.json"
 
@@ -152,6 +151,9 @@ class Shortfall:
     def matches(self, timing: Timing) -> bool:
         return all(any(fnmatch.fnmatchcase(getattr(timing, name), pattern)
                        for pattern in getattr(self, name).split("|")) for name in SHORTFALL_COLUMNS[:-1])
+
+
+SHORTFALL_COLUMNS = tuple(field.name for field in dataclasses.fields(Shortfall))  # a shortfalls CSV's header
 
 
 def load_shortfalls(path: Path) -> list[Shortfall] | None:
@@ -331,21 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     try:
         shortfalls = load_shortfalls(Path(args.shortfalls))
-        if args.report_only:
-            results = read_results(out)
+        results = read_results(out) if args.report_only else None
     except (OSError, ValueError) as error:
         print(f"multisoft bench: {error}", file=sys.stderr)
         return 2
-    if not args.report_only:
+    if args.report_only:  # the CSV files stay as the run wrote them
+        written = [write_markdown(results, out, shortfalls)]
+    else:
         import torch
 
         if not torch.cuda.is_available():
             print(NO_GPU_MESSAGE)
             return 0
         results = run(args)
-    if args.report_only:  # the CSV files stay as the run wrote them
-        written = [write_markdown(results, out, shortfalls)]
-    else:
         written = write_reports(results, out, shortfalls)
     if not args.no_plots:
         written += _write_plots(results, out)
