@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Tests under NVIDIA's compute-sanitizer on a CUDA machine (the H200 test machine has it in /usr/local/cuda/bin):
+# memcheck checks every global and shared memory access of every kernel of every backend against the allocation it
+# falls in. torch's caching allocator is switched off, so that each tensor is an allocation of its own and an access
+# past a tensor's end is reported, not hidden inside a cached segment. First a planted write one element past a
+# tensor's end (tests/sanitize_planted.py) must be reported, or the sanitizer's silence about the tests proves nothing.
+#   OUT=/some/dir [TOOL=memcheck] [WORKERS=0] bash tests/gpu_sanitize.sh [pytest args, default tests/test_agreement.py]
+#   (or, for every op, backend and dtype at the GPU shapes of `multisoft check`: ... gpu_sanitize.sh --check)
+# TOOL: memcheck or synccheck (racecheck also runs, but torch's own reductions, which the float64 references use,
+# fill its report; initcheck reports torch.empty buffers that kernels read on purpose, as the in-place cross-entropy
+# does its logits). API errors are not reported: numba-cuda probes optional driver entry points through
+# cuGetProcAddress, 34 "errors" at its start. WORKERS: pytest-xdist workers, 0 for none (the sanitizer's report of
+# a run with 14 workers held only the main process's header). The report goes to $OUT/$TOOL.log; the script exits
+# non-zero when the planted write went unreported, the sanitizer found an error, or a test failed.
+set -uo pipefail
+OUT=${OUT:-/tmp/multisoft-sanitize}
+TOOL=${TOOL:-memcheck}
+export PATH=$PATH:/usr/local/cuda/bin
+mkdir -p "$OUT"
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+sanitize() {
+  compute-sanitizer --tool "$TOOL" --report-api-errors no --error-exitcode 86 --print-limit 100 "$@"
+}
+if [ "$TOOL" = memcheck ]; then
+  sanitize python3 tests/sanitize_planted.py > "$OUT/planted.log" 2>&1
+  if [ $? != 86 ] || ! grep -q "Invalid __global__ write" "$OUT/planted.log"; then
+    echo "the planted out-of-bounds write was not reported ($OUT/planted.log)"
+    exit 1
+  fi
+  echo "== the planted out-of-bounds write was reported"
+fi
+if [ "${1:-}" = --check ]; then
+  shift
+  sanitize --log-file "$OUT/$TOOL.log" python3 -m multisoft check "$@"
+else
+  [ $# -gt 0 ] || set -- tests/test_agreement.py
+  sanitize --log-file "$OUT/$TOOL.log" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-0}" "$@"
+fi
+rc=$?
+grep -h "SUMMARY" "$OUT/$TOOL.log"
+echo "== exit status $rc (86: the sanitizer reported errors, in $OUT/$TOOL.log)"
+[ "$rc" = 0 ]
