@@ -156,6 +156,11 @@ class Shortfall:
 SHORTFALL_COLUMNS = tuple(field.name for field in dataclasses.fields(Shortfall))  # a shortfalls CSV's header
 
 
+def first_shortfall(shortfalls: list[Shortfall], timing: Timing) -> Shortfall | None:
+    """The shortfall that gives ``timing`` its reason: the first that matches it."""
+    return next((s for s in shortfalls if s.matches(timing)), None)
+
+
 def load_shortfalls(path: Path) -> list[Shortfall] | None:
     """The rows of a shortfalls CSV (SHORTFALL_COLUMNS), or None when there is no such file."""
     if not path.exists():
@@ -1180,7 +1185,8 @@ def _shortfall_note(timing: Timing, target: float, copy_bound: float | None,
     if copy_bound is not None and round(copy_bound, 2) < target:
         notes.append(f"a copy of its bytes reaches {copy_bound:.2f}")
     if shortfalls is not None and not timing.note:
-        notes.append(next((s.why for s in shortfalls if s.matches(timing)), NO_REASON))
+        found = first_shortfall(shortfalls, timing)
+        notes.append(found.why if found else NO_REASON)
     return "; ".join(note for note in notes if note)
 
 
