@@ -287,10 +287,9 @@ def test_16bit_backward_held_as_loaded_or_as_floats(dtype, raw, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("kernels, is_causal", [("rows", False), ("rows", True), ("one-row-programs", True),
                                                 ("across", False), ("across", True),
-                                                ("staged", False), ("staged", True),
                                                 ("backward-tiles", False), ("backward-tiles", True)],
                          ids=["rows-full", "rows-causal", "one-row-programs-causal", "across-full", "across-causal",
-                              "staged-full", "staged-causal", "backward-tiles-full", "backward-tiles-causal"])
+                              "backward-tiles-full", "backward-tiles-causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypatch):
     """Block-rows of 1..45 blocks (and an empty one), in shuffled columns (causal: some rows fully masked, some
@@ -310,10 +309,6 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
     across = kernels == "across"   # the forward's rows across lanes on this layout (mean row 384) or never
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_UNTIL", {4: 1e9, 2: 1e9} if across else {4: 0, 2: 0})
     monkeypatch.setattr(blocksparse, "FORWARD_ACROSS_BLOCKS", {4: 4, 2: 4})
-    # whole rows, 4 a task, pipelined 3 deep, in persistent programs of one warp per 256 elements of a row, 8 warps a
-    # multiprocessor in all (a single program on the interpreter); one launch per power of two of 1..64 blocks
-    monkeypatch.setattr(blocksparse, "FORWARD_STAGED", {4: (3, 4, 8, 256), 2: (3, 4, 8, 256)} if kernels == "staged"
-                        else {})
     monkeypatch.setattr(blocksparse, "ROW_HELD", 128)
     monkeypatch.setattr(blocksparse, "ROW_MIN_BLOCKS", {4: 1, 2: 1})
     monkeypatch.setattr(blocksparse, "BUCKETS_SAVE", {4: 0.0, 2: 0.0})
@@ -331,12 +326,11 @@ def test_blocksparse_buckets_of_row_lengths(dtype, is_causal, kernels, monkeypat
         y = reference_blocksparse(x, layout, block, 0.5, is_causal).to(dtype)
     else:
         # the streamed parts' max is a min for a negative scale; 0: the kernel forms the scores
-        for scale in (-0.5, 0.0, 0.5) if kernels in ("rows", "across", "staged") else (0.5,):
+        for scale in (-0.5, 0.0, 0.5) if kernels in ("rows", "across") else (0.5,):
             y = multisoft.blocksparse_softmax(x, layout, block, scale=scale, is_causal=is_causal, backend="triton")
             _, ratio = error_ratio(y, reference_blocksparse(x, layout, block, scale, is_causal), dtype)
             assert ratio <= 1, f"forward, scale {scale}: {ratio:.3g} x the tolerance"
-    if kernels in ("one-row-programs", "across", "staged"):   # the backward takes ROW_WARPS rows a program whatever
-        # the layout
+    if kernels in ("one-row-programs", "across"):   # the backward takes ROW_WARPS rows a program whatever the layout
         return
     dy = torch.randn_like(y)
     dx = multisoft.blocksparse_softmax_backward(y, dy, layout, block, scale=0.5, backend="triton")

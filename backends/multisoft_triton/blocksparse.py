@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, sm_count, warps_for, widen
+from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen
 
 TILE_MAX = 16384
 TILE_ELEMENTS = 2048
@@ -121,13 +121,6 @@ FORWARD_ACROSS_UNTIL = {4: 512, 2: 512}
 FORWARD_ACROSS_WARPS = 1
 FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
 LOG2E = 1.4426950408889634
-# The forward of whole rows in persistent programs whose next tasks' rows the pipeliner stages in shared memory
-# (_fwd_staged_kernel), by element size: (stages, rows a task, warps a multiprocessor, elements of a row a warp);
-# absent: the row kernels.
-# Taken where the longest block-row's power of two of blocks holds STAGED_MAX_ROW elements or fewer; one launch per
-# power of two of the block-rows' block counts.
-FORWARD_STAGED = {}
-STAGED_MAX_ROW = 4096
 ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
 #                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
 # The row kernels' slab is [BLOCKS // INNER, ROWS, INNER, B]: INNER blocks of a row lie side by side in a warp's lanes
@@ -292,33 +285,6 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl
     tl.store(out_ptr + offsets, y0.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _fwd_staged_kernel(x_ptr, out_ptr, table_ptr, tasks, nnz, c, BLOCKS: tl.constexpr, ROWS: tl.constexpr,
-                       B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr, INNER: tl.constexpr,
-                       STAGES: tl.constexpr):
-    """The forward of whole rows, ROWS rows of one block-row a task, as persistent programs that take their tasks a
-    grid apart: with STAGES > 1 the pipeliner copies the next tasks' rows into shared memory (cp.async) while this
-    one is reduced, so the bytes in flight are not bounded by registers. table_ptr holds (first block, blocks, causal
-    prefix code) per block-row of the launch, each of at most BLOCKS blocks. Units as _fwd_rows_kernel."""
-    PARTS: tl.constexpr = B // ROWS
-    for task in tl.range(tl.program_id(0), tasks, tl.num_programs(0), num_stages=STAGES):
-        entry = table_ptr + (task // PARTS) * 3
-        start = tl.load(entry)
-        count = tl.load(entry + 1)
-        i = (task % PARTS) * ROWS + tl.arange(0, ROWS)
-        kept = i
-        if CAUSAL:
-            code = tl.load(entry + 2)
-            kept = (code >> 1) * B + (code & 1) * (i + 1)
-        offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
-        x = _row_values(x_ptr, offsets, mask, kept, 0, SIGN, BLOCKS, B, CAUSAL, INNER)
-        shift = safe_shift(_row_top(x, c, SIGN))
-        e = fast_exp2(x.to(tl.float32) * c - _per_row(shift))
-        total = _row_sum(e)
-        inverse = tl.where(total > 0.0, 1.0 / total, 0.0)
-        tl.store(out_ptr + offsets, (e * _per_row(inverse)).to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def _row_blocks(lut, element_size):
     """Blocks of each row that the row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
@@ -421,54 +387,11 @@ def _launch(kernels, lut, tensors, scale):
                              B=lut.block, num_warps=warps_for(blocks * rows * lut.block), **LAUNCH)
 
 
-_staged_schedules = {}
-
-
-def _staged_schedule(lut):
-    """The staged forward's launches for this look-up table: (table, block-rows, blocks) each, the non-empty
-    block-rows grouped by the power of two of their block count, the table (first block, blocks, causal prefix
-    code) per block-row on the device."""
-    key = id(lut)
-    if key in _staged_schedules:
-        return _staged_schedules[key]
-    offsets = lut.offsets.tolist()
-    causal = lut.causal.tolist()
-    buckets = {}
-    for group, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
-        if end > start:
-            buckets.setdefault(next_power_of_2(end - start), []).append((start, end - start, causal[group]))
-    launches = [(torch.tensor(entries, dtype=torch.int32, device=lut.offsets.device), len(entries), blocks)
-                for blocks, entries in sorted(buckets.items())]
-    _staged_schedules[key] = launches
-    weakref.finalize(lut, _staged_schedules.pop, key, None)
-    return launches
-
-
-def _launch_staged(lut, x, out, c, sign, is_causal, stages, rows, sm_warps, warp_elements):
-    block = lut.block
-    rows = min(block, rows)
-    with on_device(x):
-        for part in _batch_parts((x, out)):
-            for table, groups, blocks in _staged_schedule(lut):
-                tasks = groups * (block // rows)
-                warps = rows * max(1, blocks * block // warp_elements)
-                grid = (min(tasks, max(1, sm_count(x) * sm_warps // warps)), part[0].shape[0])
-                _fwd_staged_kernel[grid](*part, table, tasks, lut.nnz, c, BLOCKS=blocks, ROWS=rows, B=block,
-                                         CAUSAL=bool(is_causal), SIGN=sign,
-                                         INNER=_row_inner("forward", x.element_size(), block, blocks),
-                                         STAGES=stages, num_warps=warps, **LAUNCH)
-
-
 def forward(x, out, lut, scale, is_causal):
     """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
     sign = (scale > 0) - (scale < 0)
     size = x.element_size()
-    c = scale * LOG2E if sign else 1.0
-    staged = FORWARD_STAGED.get(size)
-    if staged and next_power_of_2(lut.max_blocks) * lut.block <= STAGED_MAX_ROW:
-        _launch_staged(lut, x, out, c, sign, is_causal, *staged)
-        return
-    args = (_fwd_rows_kernel, lut, (x, out), c, lut.causal)
+    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal)
     if lut.mean_blocks * lut.block <= FORWARD_ACROSS_UNTIL[size]:
         # the warps' lanes hold 16-byte pieces of their rows' blocks: B * size / 16 lanes a row
         rows = min(lut.block, max(1, FORWARD_ACROSS_WARPS * 32 * 16 // (lut.block * size)))
