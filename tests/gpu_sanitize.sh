@@ -6,9 +6,10 @@
 # tensor's end (tests/sanitize_planted.py) must be reported, or the sanitizer's silence about the tests proves nothing.
 #   OUT=/some/dir [TOOL=memcheck] [WORKERS=0] bash tests/gpu_sanitize.sh [pytest args, default tests/test_agreement.py]
 #   (or, for every op, backend and dtype at the GPU shapes of `multisoft check`: ... gpu_sanitize.sh --check)
-# TOOL: memcheck or synccheck (racecheck also runs, but torch's own reductions, which the float64 references use,
-# fill its report; initcheck reports torch.empty buffers that kernels read on purpose, as the in-place cross-entropy
-# does its logits). API errors are not reported: numba-cuda probes optional driver entry points through
+# TOOL: memcheck, synccheck or racecheck (for racecheck, leave out torch's own kernels, whose reductions the float64
+# references use and which fill its report: SANITIZER_ARGS="--kernel-name-exclude kns=native"); initcheck reports
+# torch.empty buffers that kernels read on purpose, as the in-place cross-entropy does its logits. SANITIZER_ARGS:
+# more compute-sanitizer options, before the command (the planted write runs with them too). API errors are not reported: numba-cuda probes optional driver entry points through
 # cuGetProcAddress, 34 "errors" at its start. WORKERS: pytest-xdist workers, 0 for none (the sanitizer's report of
 # a run with 14 workers held only the main process's header). The report goes to $OUT/$TOOL.log; the script exits
 # non-zero when the planted write went unreported, the sanitizer found an error, or a test failed.
@@ -19,7 +20,7 @@ export PATH=$PATH:/usr/local/cuda/bin
 mkdir -p "$OUT"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 sanitize() {
-  compute-sanitizer --tool "$TOOL" --report-api-errors no --error-exitcode 86 --print-limit 100 "$@"
+  compute-sanitizer --tool "$TOOL" --report-api-errors no --error-exitcode 86 --print-limit 100 ${SANITIZER_ARGS:-} "$@"
 }
 if [ "$TOOL" = memcheck ]; then
   sanitize python3 tests/sanitize_planted.py > "$OUT/planted.log" 2>&1
