@@ -10,9 +10,10 @@
 # references use and which fill its report: SANITIZER_ARGS="--kernel-name-exclude kns=native"); initcheck reports
 # torch.empty buffers that kernels read on purpose, as the in-place cross-entropy does its logits. SANITIZER_ARGS:
 # more compute-sanitizer options, before the command (the planted write runs with them too). API errors are not
-# reported: numba-cuda probes optional driver entry points through cuGetProcAddress, 34 "errors" at its start. WORKERS: pytest-xdist workers, 0 for none (the sanitizer's report of
-# a run with 14 workers held only the main process's header). The report goes to $OUT/$TOOL.log; the script exits
-# non-zero when the planted write went unreported, the sanitizer found an error, or a test failed.
+# reported: numba-cuda probes optional driver entry points through cuGetProcAddress, 34 "errors" at its start.
+# WORKERS: pytest-xdist workers, 0 for none (the sanitizer's report of a run with 14 workers held only the main
+# process's header). The report goes to $OUT/$TOOL.log; the script exits non-zero when the planted write went
+# unreported, the sanitizer found an error, or a test failed.
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-sanitize}
 TOOL=${TOOL:-memcheck}
