@@ -133,7 +133,7 @@ def test_grouped_rows_every_group_size_and_nothing_past_the_last_row(dtype):
                     got = buffer[:rows]
                     held = softmax._held_bytes(*vector_views((x, got))[:2])
                     caches = softmax.CACHE[held] if direction == "forward" else softmax.CACHE_BWD[held]
-                    plan = softmax._plan(n, caches, ((1, 1),), held, None, softmax.ROW_GROUP_MAX[direction])
+                    plan = softmax._plan(n, caches, ((1, 1, 0),), held, None, softmax.ROW_GROUP_MAX[direction])
                     groups.add(plan.group)
                     if direction == "forward":
                         softmax.forward(x, got, log)
@@ -250,15 +250,15 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
     x[0, 40_000:80_000] = float("-inf")     # covers whole parts of the split path
     x[2] = float("-inf")
 
-    def plan_for(threads, cache):  # the split path forced, whatever the defaults choose for this shape
+    def plan_for(threads, cache, blocks):  # the split path forced, whatever the defaults choose for this shape
         parts = -(-n // (threads * cache))
         if path == "split" and parts > torch.cuda.get_device_properties(x.device).multi_processor_count // 2:
             pytest.skip(f"{parts} parts could not all be resident on this GPU")
-        return ("split", threads, parts, cache) if path == "split" else ("looping", 1024, 1, cache)
+        return ("split", threads, parts, cache, 0, blocks) if path == "split" else ("looping", 1024, 1, cache)
 
     for log in (False, True):
         held = 2 if x.element_size() == 2 else 4   # rows of 262144 are read in pairs: 16-bit rows are held packed
-        plan = plan_for(softmax.SPLIT_THREADS, softmax.SPLIT_CACHE[held])
+        plan = plan_for(*softmax.SPLIT_FORWARD[held][0])
         out = torch.empty_like(x)
         softmax.forward(x, out, log, plan=plan)
         expected = reference_softmax(x, -1, log)
@@ -266,8 +266,9 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
         assert_close(out[:2], expected[:2], dtype, f"{path} forward")
         dy = torch.randn_like(x)
         dx = torch.empty_like(x)
-        for threads, cache in softmax.SPLIT_BWD[held]:
-            softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log, plan=plan_for(threads, cache))
+        for threads, cache, blocks in softmax.SPLIT_BWD[held]:
+            softmax.backward(out[:2].contiguous(), dy[:2].contiguous(), dx[:2], log,
+                             plan=plan_for(threads, cache, blocks))
             assert_close(dx[:2], reference_softmax_backward(out[:2], dy[:2], -1, log), dtype,
                          f"{path} backward {threads}x{cache}")
 
@@ -275,23 +276,29 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
 @needs_gpu
 def test_rows_too_long_for_the_split_choices_take_wide_parts():
     """Rows of 1048576: too many parts for the regular split choices (on a GPU of 132 multiprocessors or fewer),
-    so SPLIT_WIDE_THREADS-thread parts, which are checked against float64 by the agreement harness."""
+    so the parts of SPLIT_WIDE, which are checked against float64 by the agreement harness."""
     from multisoft_numba import softmax
     from multisoft_numba._glue import device_index
     device = torch.device(DEVICE)
     half_sms = torch.cuda.get_device_properties(device).multi_processor_count // 2
     n = 1 << 20
-    for held, caches, splits in ((4, softmax.CACHE_BWD[4], softmax.SPLIT_BWD[4]),
-                                 (2, softmax.CACHE_BWD[2], softmax.SPLIT_BWD[2]),
-                                 (4, softmax.CACHE[4], ((softmax.SPLIT_THREADS, softmax.SPLIT_CACHE[4]),))):
-        if all(-(-n // (threads * cache)) <= half_sms for threads, cache in splits):
-            pytest.skip("this GPU fits the regular parts")
-        plan = softmax._plan(n, caches, splits, held, device)
-        wide_parts = -(-n // (softmax.SPLIT_WIDE_THREADS * splits[-1][1]))
+    checked = 0
+    for direction, held, caches, splits in (("backward", 4, softmax.CACHE_BWD[4], softmax.SPLIT_BWD[4]),
+                                            ("backward", 2, softmax.CACHE_BWD[2], softmax.SPLIT_BWD[2]),
+                                            ("forward", 4, softmax.CACHE[4], softmax.SPLIT_FORWARD[4]),
+                                            ("forward", 2, softmax.CACHE[2], softmax.SPLIT_FORWARD[2])):
+        if all(-(-n // (threads * cache)) <= half_sms for threads, cache, _ in splits):
+            continue   # this GPU fits the regular parts
+        checked += 1
+        wide = softmax.SPLIT_WIDE[direction][held]
+        plan = softmax._plan(n, caches, splits, held, device, 0, wide)
+        wide_parts = -(-n // (wide[0] * wide[1]))
         expected = "split" if wide_parts <= softmax._max_parts(device_index(device), held) else "looping"
         assert plan.path == expected, plan
         if expected == "split":
-            assert (plan.threads, plan.parts) == (softmax.SPLIT_WIDE_THREADS, wide_parts), plan
+            assert (plan.threads, plan.parts, plan.cache, plan.blocks) == (wide[0], wide_parts, *wide[1:]), plan
+    if not checked:
+        pytest.skip("this GPU fits the regular parts of every choice")
 
 
 @needs_backend
@@ -318,7 +325,7 @@ def test_packed_forward_of_persistent_blocks_that_prefetch_rows(dtype):
             _, ratio = error_ratio(out, reference_softmax(x, -1, log), dtype)
             assert ratio <= 1, f"{plan} {rows}x{n} log={log}: {ratio:.3g} x the tolerance"
     if gpu:
-        assert softmax._forward_plan(32768, 2, x.device) == ("prefetch", 1024, 1, 32, 0)
+        assert softmax._forward_plan(32768, 2, x.device) == ("prefetch", 1024, 1, 32, 0, 0)
 
 
 @needs_gpu
@@ -346,7 +353,8 @@ def test_packed_16bit_rows_on_every_path_and_cache(dtype):
                 if n > threads * cache:
                     continue
             else:
-                threads, parts = softmax.SPLIT_THREADS, -(-n // (softmax.SPLIT_THREADS * cache))
+                threads = softmax.SPLIT_FORWARD[2][0][0]   # the 16-bit forward's parts: the 1024-thread bound
+                parts = -(-n // (threads * cache))
                 if parts > half_sms:
                     continue
             plan = (path, threads, parts, cache)
@@ -357,7 +365,7 @@ def test_packed_16bit_rows_on_every_path_and_cache(dtype):
                 assert ratio <= 1, f"forward {plan} n={n} log={log}: {ratio:.3g} x the tolerance"
                 dy = torch.randn_like(x)
                 dx = torch.empty_like(x)
-                softmax.backward(out, dy, dx, log, plan=plan)
+                softmax.backward(out, dy, dx, log, plan=plan + (0, 1) if path == "split" else plan)  # SPLIT_BWD's bound
                 _, ratio = error_ratio(dx, reference_softmax_backward(out, dy, -1, log), dtype,
                                        softmax_backward_magnitude(out, dy, -1, log))
                 assert ratio <= 1, f"backward {plan} n={n} log={log}: {ratio:.3g} x the tolerance"

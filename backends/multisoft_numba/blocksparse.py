@@ -30,7 +30,7 @@ from numba import cuda, float32, int32, int64, uint64
 
 from ._device import (HALF_SHIFT, LOW_HALF, NEG_INF, exp2f, fresh_shift, kahan_add, nan_max, packed_io, packed_max,
                       packed_pad, row_io, row_reductions, share_shift)
-from ._glue import SIMULATOR, device_function, launch, vector_views
+from ._glue import SIMULATOR, device_function, kernel, launch, vector_views
 from ._intrinsics import LOG2E, vector_access
 
 # Row elements per lane held in registers (a tile is 32x that), forward, and of each of y and dy, backward, by
@@ -71,6 +71,13 @@ WARPS = 4              # warps per thread block on the GPU
 # 0.89), the rest level; backward 64, bf16 11 % 0.88 -> 0.94 (causal 0.85 -> 0.89), the rest level (128 lost 0.05-0.07
 # on the bf16 b32-b128 layouts, 256 lost everywhere).
 ROW_LANE_BYTES = {"forward": 128, "backward": 64}
+# Blocks a multiprocessor the kernels are compiled for, by direction: b > 0, launch bounds (threads, b), a register
+# budget of 65536 / (threads * b) a thread; 0, launch bounds (threads) alone, ptxas's own choice. Measured on an H200
+# in session 29 (tuning/numba-blocksparse-bound-round1..2.txt), against 0: the bf16 forwards at b = 8 level (causal
+# 0.005-0.013 lower), at 12 0.13-0.47 lower; the float32 backwards at b = 4 level (b16 +0.015, the rest within 0.01);
+# b = 1 (no budget below 255 registers) 0.07-0.19 below b = 8 in the bf16 forwards, 0.03-0.07 below b = 4 in the
+# float32 backwards.
+BLOCKS_PER_SM = {"forward": 0, "backward": 0}
 MAX_GRID = 1 << 20     # most thread blocks launched along the rows; more rows are walked grid-stride
 MAX_GRID_Y = 65535     # most along the batch, the same
 # The simulator runs a thread per lane and pays for every one and for every barrier: one
@@ -80,11 +87,13 @@ SIMULATOR_GRID = 4
 SIMULATOR_FLOATS = 4
 
 
-def _jit(threads):
-    """cuda.jit for a kernel of `threads` threads per block (register use bounded for that size)."""
+def _jit(threads, direction):
+    """cuda.jit for a `direction` kernel of `threads` threads a block (launch bounds), and for BLOCKS_PER_SM[direction]
+    of them a multiprocessor where that is set (read when the kernel is built)."""
     if SIMULATOR:
         return cuda.jit
-    return cuda.jit(cache=True, launch_bounds=threads)
+    blocks = BLOCKS_PER_SM[direction]
+    return kernel(bound=(threads, blocks)) if blocks else cuda.jit(cache=True, launch_bounds=threads)
 
 
 @device_function
@@ -175,7 +184,7 @@ def _forward_kernel(fmt, width, causal, floats, lanes, warps):
             if v < n_vectors:
                 write(out, _vector_at(base, v, log2b, log2v), vals, k * width)
 
-    @_jit(lanes * warps)
+    @_jit(lanes * warps, "forward")
     def blocksparse_forward(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c, stash):
         lane = int64(cuda.threadIdx.x % lanes)
         vals = cuda.local.array(floats, float32)
@@ -278,7 +287,7 @@ def _backward_kernel(fmt, width, floats, lanes, warps, stash=0):
             if v < n_vectors:
                 write(dx, _vector_at(base, v, log2b, log2v), gs, k * width)
 
-    @_jit(lanes * warps)
+    @_jit(lanes * warps, "backward")
     def blocksparse_backward(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, scale):
         lane = int64(cuda.threadIdx.x % lanes)
         ys = cuda.local.array(floats, float32)
@@ -404,7 +413,7 @@ def _forward_packed_kernel(fmt, width, causal, values, lanes, warps):
             if v < n_vectors:
                 write(out, _vector_at(base, v, log2b, log2v), vec, 0)
 
-    @_jit(lanes * warps)
+    @_jit(lanes * warps, "forward")
     def blocksparse_forward_packed(x, out, offsets, causal_prefix, batch, rows, nnz, log2b, log2v, c, stash):
         shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)
@@ -496,7 +505,7 @@ def _backward_packed_kernel(fmt, width, values, lanes, warps):
                     vec[j] = scale * unpack(ys, at, shift) * (unpack(gs, at, shift) - dot)
                 write(dx, _vector_at(base, v, log2b, log2v), vec, 0)
 
-    @_jit(lanes * warps)
+    @_jit(lanes * warps, "backward")
     def blocksparse_backward_packed(y, dy, dx, offsets, batch, rows, nnz, log2b, log2v, scale):
         shift = _unseen_shift()
         lane = int64(cuda.threadIdx.x % lanes)

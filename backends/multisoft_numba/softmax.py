@@ -6,8 +6,8 @@ Three ways to walk a row, all reading in float32 and writing in the row's dtype:
   several rows a block (ROW_GROUP_MAX). The forward of 16-bit rows of 32768
   (PREFETCH_FROM) runs as persistent blocks that read their next row while they
   reduce and write the current one.
-- split (GPU only, long rows): the row cut into parts (forward: SPLIT_CACHE x SPLIT_THREADS
-  elements, backward: SPLIT_BWD), one block per part, each holding its part in registers; the parts exchange
+- split (GPU only, long rows): the row cut into parts (SPLIT_FORWARD, SPLIT_BWD), one block
+  per part, each holding its part in registers; the parts exchange
   their statistics through global memory and wait for each other, so the input
   is still read once. Blocks take their (row, part) from a ticket counter in
   the order they start, so a waiting block only waits for blocks that have
@@ -48,14 +48,24 @@ from ._glue import (MAX_THREADS, SIMULATOR, device_function, device_index, kerne
 # cannot be read in pairs), 2 for packed 16-bit rows.
 CACHE = {4: (32,), 2: (32,)}   # forward: row elements per thread held in registers, fewest first
 CACHE_BWD = {4: (16,), 2: (8, 32)}   # backward: elements of y and of dy per thread, fewest first
-SPLIT_CACHE = {4: 32, 2: 64}       # the same for the parts of split rows, forward
-# Backward parts of split rows: (threads, elements of y and of dy per thread) by held bytes, the first that
-# cuts the row into at most SPLIT_FEW_PARTS parts, else the first that fits. Compiled for their block size
-# (launch bounds (threads, 1)), not for 1024 threads, so 32 values of each fit in registers. Measured on an
-# H200 (tuning/numba-split-bwd-round2.txt) against 256 x 16 float32 values: 0.85 -> 0.89 at 131072 columns
-# (128 threads), 0.77 -> 0.82 at 262144 and 0.59 -> 0.73 at 524288 (256 threads: half the parts of 128);
-# 16-bit rows level either way.
-SPLIT_BWD = {4: ((128, 32), (256, 32)), 2: ((256, 32),)}
+# The parts of split rows, by held bytes: (threads, elements per thread, blocks a multiprocessor the kernel is
+# compiled for), the first choice that cuts the row into at most SPLIT_FEW_PARTS parts, else the first that fits.
+# Blocks b > 0: launch bounds (threads, b), a register budget of 65536 / (threads * b) a thread (1: none below
+# 255); 0: the 1024-thread bound of the other kernels (64 registers).
+# Forward: several blocks per SM, so one's loads overlap another's waiting. Measured on an H200 in session 29
+# (tuning/numba-split-budget-round1.txt, numba-split-shape-round1.txt, numba-split-forward-sizes-round1.txt), float32
+# 128 x 64 at 5 blocks against 256 x 32 under the 1024-thread bound, two runs: softmax 0.75 -> 0.78-0.80 at 1024x131072
+# and 0.75-0.78 -> 0.79-0.81 at 512x262144, log_softmax 0.77-0.82 -> 0.84-0.86 and 0.76-0.80 -> 0.83-0.84, every
+# length that splits +0.02-0.07 but 1048576 (the wide parts: level); 4 or 6 blocks, 128 x 32, and holding
+# exp(x - part max) (SPLIT_KEEP_EXP) lost. bf16 (held as words): 128 or 512 threads, 32 values, and budgets for 2 or 3
+# blocks lost or were mixed (128 threads: +0.04 at 512x262144, -0.01 elsewhere).
+SPLIT_FORWARD = {4: ((128, 64, 5),), 2: ((256, 64, 0),)}
+# Backward: y and dy per thread, compiled for their block size so that 32 values of each fit in registers. Measured
+# on an H200 (tuning/numba-split-bwd-round2.txt) against 256 x 16 float32 values under the 1024-thread bound:
+# 0.85 -> 0.89 at 131072 columns (128 threads), 0.77 -> 0.82 at 262144 and 0.59 -> 0.73 at 524288 (256 threads:
+# half the parts of 128); 16-bit rows level either way. Budgets for 2-4 blocks (numba-split-shape-round1.txt):
+# level, but float32 log_softmax at 131072 +0.02 (3 blocks) and at 262144 -0.05 (3) to -0.20 (4).
+SPLIT_BWD = {4: ((128, 32, 1), (256, 32, 1)), 2: ((256, 32, 1),)}
 SPLIT_FEW_PARTS = 32
 UNROLL = 8       # elements per thread per step of the looping kernels
 MAX_PARTS = {4: 64, 2: 64}   # most blocks one row is split into
@@ -70,12 +80,12 @@ CACHED_THREADS = 1024   # most threads of a block that holds a whole row
 # backward rows of 256 and 512 as groups of 8 and 16 threads holding 32 values each 0.97 -> 0.88.
 ROW_GROUP_MAX = {"forward": 16, "backward": 32}
 ROW_GROUP_BLOCK = 256
-SPLIT_THREADS = 256   # forward: several blocks per SM, so one's loads overlap another's waiting
-# Threads of the parts of rows too long for the split choices above (their parts would not all be resident), which
-# would otherwise loop. Measured on an H200 (tuning/few-rows-round1.txt), 64 rows of 1048576: float32 forward
-# 0.53 -> 0.61 of copy, backward 0.49 -> 0.58; bf16 backward 0.33 -> 0.68. As a choice for rows that other parts
-# fit, it lost (rows of 524288: float32 backward 0.73 -> 0.68, bf16 forward 0.65 -> 0.59).
-SPLIT_WIDE_THREADS = 512
+# The parts (as SPLIT_FORWARD, SPLIT_BWD) of rows too long for the split choices above (their parts would not all
+# be resident), which would otherwise loop, by direction and held bytes. Measured on an H200
+# (tuning/few-rows-round1.txt), 64 rows of 1048576, 512 threads against looping: float32 forward 0.53 -> 0.61 of
+# copy, backward 0.49 -> 0.58; bf16 backward 0.33 -> 0.68. As a choice for rows that other parts fit, it lost (rows
+# of 524288: float32 backward 0.73 -> 0.68, bf16 forward 0.65 -> 0.59).
+SPLIT_WIDE = {"forward": {4: (512, 32, 0), 2: (512, 64, 0)}, "backward": {4: (512, 32, 1), 2: (512, 32, 1)}}
 # The float32 split softmax forward holds exp(x - part max) between its passes (True) or x, taking the
 # exponential again (False): keeping compiled to 64 registers and 60 bytes of spills (sm_90).
 SPLIT_KEEP_EXP = False
@@ -470,13 +480,13 @@ def _summed_statistics(stats, at, parts):
 
 
 @functools.cache
-def _forward_split(fmt, width, log, cache, keep):
+def _forward_split(fmt, width, log, cache, keep, bound):
     """keep (softmax only): hold exp(x - part max) between the passes and rescale it, one exponential
     per element; otherwise hold x and take the exponential again (see SPLIT_KEEP_EXP)."""
     read_vectors, write_vectors = strided_io(fmt, width, cache // width)
     words = word_layout(fmt, width)[1]
 
-    @kernel
+    @kernel(bound=bound)
     def forward_split(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -551,11 +561,11 @@ def _backward_split(fmt, width, log, cache, bound):
 
 
 @functools.cache
-def _forward_split_packed(fmt, width, log, cache):
+def _forward_split_packed(fmt, width, log, cache, bound):
     """forward_split for 16-bit rows held as words."""
     read_packed, row_max, exp_sum, write_packed, words, held_words, pad = _packed_forward_pieces(fmt, width, log, cache)
 
-    @kernel
+    @kernel(bound=bound)
     def forward_split_packed(x, out, stats, sync, parts):
         tid = cuda.threadIdx.x
         threads = cuda.blockDim.x
@@ -636,23 +646,30 @@ def _max_parts(index: int, held: int) -> int:
 class Plan(NamedTuple):
     """How a launch walks its rows: `path` ('cached' | 'prefetch' | 'split' | 'looping') with blocks of `threads`
     threads, each holding `cache` elements per thread (split, looping: the looping kernels' width is UNROLL), a row
-    cut into `parts` blocks (split); `group` > 0 (cached only): a row per `group` threads, several rows a block;
-    prefetch (forward, 16-bit rows held as words): cached with a block a row, as persistent blocks."""
+    cut into `parts` blocks (split), its kernel compiled for `blocks` of them a multiprocessor (split; see
+    SPLIT_FORWARD); `group` > 0 (cached only): a row per `group` threads, several rows a block; prefetch (forward,
+    16-bit rows held as words): cached with a block a row, as persistent blocks."""
 
     path: str
     threads: int
     parts: int
     cache: int
     group: int = 0
+    blocks: int = 0
+
+    @property
+    def bound(self):
+        """The split kernel's launch bounds (None: the 1024-thread bound)."""
+        return (self.threads, self.blocks) if self.blocks else None
 
 
-def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0) -> Plan:
+def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0, wide=None) -> Plan:
     """The Plan for rows of n elements that take `held` bytes each in registers; `caches`: the elements
     per thread that a block holding the whole row may take, fewest first, each as a group of at most
     `row_group_max` threads sharing a block with other rows, else as a block; `splits`: the
-    (threads, elements per thread) of a block holding a part of a row, the first that makes
-    at most SPLIT_FEW_PARTS parts, else the first whose parts can all be resident, else the same
-    elements per thread as the last over SPLIT_WIDE_THREADS, if those parts can."""
+    (threads, elements per thread, blocks a multiprocessor) of a block holding a part of a row, the first that
+    makes at most SPLIT_FEW_PARTS parts, else the first whose parts can all be resident, else `wide` (the same),
+    if its parts can."""
     for cache in caches:
         needed = next_pow2(-(-n // cache))
         if needed <= min(row_group_max, MAX_THREADS):
@@ -664,20 +681,22 @@ def _plan(n: int, caches, splits, held: int, device=None, row_group_max: int = 0
         index = device_index(device)
 
         def fitting(choices):
-            plans = [Plan("split", threads, -(-n // (threads * cache)), cache) for threads, cache in choices]
+            plans = [Plan("split", threads, -(-n // (threads * cache)), cache, 0, blocks)
+                     for threads, cache, blocks in choices]
             return [p for p in plans if p.parts <= _max_parts(index, held)]
 
         regular = fitting(splits)
         if regular:
             return next((p for p in regular if p.parts <= SPLIT_FEW_PARTS), regular[0])
-        wide = fitting(((SPLIT_WIDE_THREADS, splits[-1][1]),))
-        if wide:
-            return wide[0]
+        fallback = fitting((wide,)) if wide else []
+        if fallback:
+            return fallback[0]
     return Plan("looping", threads_for(n, 8 * UNROLL), 1, splits[0][1])
 
 
 def _forward_plan(n: int, held: int, device) -> Plan:
-    plan = _plan(n, CACHE[held], ((SPLIT_THREADS, SPLIT_CACHE[held]),), held, device, ROW_GROUP_MAX["forward"])
+    plan = _plan(n, CACHE[held], SPLIT_FORWARD[held], held, device, ROW_GROUP_MAX["forward"],
+                 SPLIT_WIDE["forward"][held])
     if plan.path == "cached" and not plan.group and held == 2 and n >= PREFETCH_FROM.get(held, float("inf")):
         return plan._replace(path="prefetch")
     return plan
@@ -707,17 +726,24 @@ def _split_buffers(rows: int, parts: int, values_per_part: int, device):
     return stats, sync
 
 
+def forward_split_kernel(fmt, width, log: bool, held: int, plan: Plan):
+    """The forward split kernel of a split Plan for rows that take `held` bytes an element in registers."""
+    if held == 2:
+        return _forward_split_packed(fmt, width, log, plan.cache, plan.bound)
+    return _forward_split(fmt, width, log, plan.cache, not log and SPLIT_KEEP_EXP, plan.bound)
+
+
 def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
     fmt, width, words = vector_views((x, out))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache, group = Plan(*plan) if plan else _forward_plan(n, held, x.device)
+    plan = Plan(*plan) if plan else _forward_plan(n, held, x.device)
+    path, threads, parts, cache, group, _ = plan
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 2, x.device)
-        kernel_ = (_forward_split_packed(fmt, width, log, cache) if held == 2 else
-                   _forward_split(fmt, width, log, cache, not log and SPLIT_KEEP_EXP))
-        launch(kernel_, rows * parts, threads, (*words, stats, sync, numpy.int64(parts)))
+        launch(forward_split_kernel(fmt, width, log, held, plan), rows * parts, threads,
+               (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _forward_packed if held == 2 else _forward_cached
         launch(build(fmt, width, log, cache, group), _cached_blocks(rows, threads, group), threads, words)
@@ -731,13 +757,14 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     rows, n = y.shape
     fmt, width, words = vector_views((y, dy, dx))
     held = _held_bytes(fmt, width)
-    path, threads, parts, cache, group = Plan(*plan) if plan else _plan(
-        n, CACHE_BWD[held], SPLIT_BWD[held], held, y.device, ROW_GROUP_MAX["backward"])
+    plan = Plan(*plan) if plan else _plan(n, CACHE_BWD[held], SPLIT_BWD[held], held, y.device,
+                                          ROW_GROUP_MAX["backward"], SPLIT_WIDE["backward"][held])
+    path, threads, parts, cache, group, _ = plan
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
         build = _backward_split_packed if held == 2 else _backward_split
-        launch(build(fmt, width, log, cache, (threads, 1)), rows * parts, threads,
+        launch(build(fmt, width, log, cache, plan.bound), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _backward_packed if held == 2 else _backward_cached

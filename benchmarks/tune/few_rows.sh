@@ -5,6 +5,7 @@
 # numba: wide adds 512-thread parts to the split backward (16-bit and float32) and makes the split forward's
 #        parts 512 threads, so rows of 1048576 (64 parts or fewer) no longer loop; cached512/256 caps the
 #        threads of a block holding a whole row, which moves bf16 rows of 32768 to the split path.
+# (Session 29: the settings of that time written as today's: SPLIT_THREADS = 512 as SPLIT_FORWARD, SPLIT_BWD's bound.)
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ tune --backend cupy --ops softmax --dtypes bf16 --cases 128x524288,64x1048576,81
 
 tune --backend numba --ops softmax --dtypes bf16,fp32 --cases 128x524288,64x1048576 --directions forward,backward \
   --variant "base:" \
-  --variant "wide:$S; s.SPLIT_BWD = {4: ((128, 32), (256, 32), (512, 32)), 2: ((256, 32), (512, 32))}; s.SPLIT_THREADS = 512"
+  --variant "wide:$S; s.SPLIT_BWD = {4: ((128, 32, 1), (256, 32, 1), (512, 32, 1)), 2: ((256, 32, 1), (512, 32, 1))}; s.SPLIT_FORWARD = {4: ((512, 32, 0),), 2: ((512, 64, 0),)}"
 
 tune --backend numba --ops softmax --dtypes bf16 --cases 4096x32768,2048x32768 --directions forward \
   --variant "base:" \

@@ -3,6 +3,7 @@
 # defaults were chosen against (logs of each round: benchmarks/results/tuning/numba-vectors-round*.txt):
 # rows of 32768 and more split over blocks (float32; 16-bit rows loop), threads per part, backward
 # elements per thread, cross-entropy elements per thread, block-sparse values per lane. Writes $OUT/numba.csv.
+# (Session 29: SPLIT_THREADS = 512, with that time's 32 / 64 values, written as SPLIT_FORWARD.)
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
@@ -15,7 +16,7 @@ tune --ops softmax,cross_entropy,blocksparse_softmax --dtypes fp32,bf16 --direct
 tune --ops softmax --dtypes fp32,bf16 --cases $LONG --directions forward,backward \
     --variant "looping:$S; s.MAX_PARTS = {4: 0, 2: 0}" \
     --variant "split16bit:$S; s.MAX_PARTS = {4: 64, 2: 64}" \
-    --variant "threads512:$S; s.SPLIT_THREADS = 512"
+    --variant "threads512:$S; s.SPLIT_FORWARD = {4: ((512, 32, 0),), 2: ((512, 64, 0),)}"
 tune --ops softmax --dtypes fp32,bf16 --cases 32768x1024,16384x4096,4096x32768 --directions backward \
     --variant "bwd16:$S; s.CACHE_BWD = {4: (16,), 2: (16,)}" --variant "bwd8:$S; s.CACHE_BWD = {4: (8,), 2: (8,)}"
 tune --ops cross_entropy --dtypes fp32,bf16 --directions forward,backward \

@@ -7,6 +7,7 @@
 # and 64 per thread cached (`fwd64`) or 512 threads per part were slower (the backward split then held 16
 # values a thread, SPLIT_CACHE_BWD, now SPLIT_BWD; `threads512` now moves the forward only). Writes
 # $OUT/numba_packed.csv.
+# (Session 29: that time's SPLIT_THREADS and SPLIT_CACHE, and 1024-thread bounds, written as SPLIT_FORWARD and SPLIT_BWD.)
 set -uo pipefail
 OUT=${OUT:-/tmp/multisoft-tune}
 mkdir -p "$OUT"
@@ -18,7 +19,7 @@ python3 benchmarks/tune/tune.py --backend numba --ops softmax --dtypes bf16 \
   --variant "floats:$S; s.PACK_16BIT = False; s.CACHE = {4: (32,), 2: (32,)}; s.CACHE_BWD = {4: (8, 32), 2: (8, 32)}; s.MAX_PARTS = {4: 0, 2: 0}" \
   --variant "fwd64:$S; s.CACHE = {4: (32,), 2: (64,)}" \
   --variant "fwd16_32:$S; s.CACHE = {4: (32,), 2: (16, 32)}" \
-  --variant "split64:$S; s.SPLIT_CACHE = {4: 32, 2: 64}; s.SPLIT_BWD = {4: ((256, 16),), 2: ((256, 16),)}" \
-  --variant "split16:$S; s.SPLIT_CACHE = {4: 32, 2: 16}" \
-  --variant "threads512:$S; s.SPLIT_THREADS = 512" \
+  --variant "split64:$S; s.SPLIT_FORWARD = {4: ((256, 32, 0),), 2: ((256, 64, 0),)}; s.SPLIT_BWD = {4: ((256, 16, 0),), 2: ((256, 16, 0),)}" \
+  --variant "split16:$S; s.SPLIT_FORWARD = {4: ((256, 32, 0),), 2: ((256, 16, 0),)}" \
+  --variant "threads512:$S; s.SPLIT_FORWARD = {4: ((512, 32, 0),), 2: ((512, 64, 0),)}" \
   || echo "numba packed tuning failed: rc=$?"

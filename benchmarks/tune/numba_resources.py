@@ -67,13 +67,14 @@ def configurations():
             build = softmax._backward_packed if packed else softmax._backward_cached
             found.append((f"bwd-cached-{name}-{cache}", build(fmt, width, False, cache, 0), (arr, arr, arr),
                           MAX_THREADS))
-        cache = softmax.SPLIT_CACHE[held]
-        kernel = (softmax._forward_split_packed(fmt, width, False, cache) if packed else
-                  softmax._forward_split(fmt, width, False, cache, softmax.SPLIT_KEEP_EXP))
-        found.append((f"fwd-split-{name}-{cache}", kernel, (arr, arr, *stats), MAX_THREADS))
+        for threads, cache, blocks in softmax.SPLIT_FORWARD[held]:
+            plan = softmax.Plan("split", threads, 1, cache, 0, blocks)
+            kernel = softmax.forward_split_kernel(fmt, width, False, held, plan)
+            found.append((f"fwd-split-{name}-{threads}x{cache}", kernel, (arr, arr, *stats),
+                          threads if blocks else MAX_THREADS))
         build = softmax._backward_split_packed if packed else softmax._backward_split
-        for threads, cache in softmax.SPLIT_BWD[held]:
-            found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, 1)),
+        for threads, cache, blocks in softmax.SPLIT_BWD[held]:
+            found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, blocks)),
                           (arr, arr, arr, *stats), threads))
     found += blocksparse_configurations()
     return found
