@@ -4,8 +4,9 @@ Each ``--variant NAME:STATEMENTS`` runs STATEMENTS (Python, ``;``-separated, wit
 the backend's kernel modules importable by name) before its measurements, then
 times the chosen cases exactly as ``python -m multisoft bench`` does (queued
 CUDA events, L2 cleared, fraction of the copy bandwidth measured in the same
-run). The statements of a variant are undone before the next one, so every
-variant starts from the module defaults.
+run). The statements of a variant are undone before the next one, and the kernel
+modules' functools caches (their kernel factories) emptied before each, so every
+variant starts from the module defaults and builds its kernels under its own settings.
 
     python3 benchmarks/tune/tune.py --backend triton --ops softmax --dtypes fp32,bf16 \
         --cases 1024x131072,512x262144 --directions forward \
@@ -30,6 +31,7 @@ def parse_args(argv):
     parser.add_argument("--cases", default="", help="comma-separated case labels or label prefixes (default: headline)")
     parser.add_argument("--directions", default="forward,backward")
     parser.add_argument("--variant", action="append", default=[], help="NAME:STATEMENTS (repeatable)")
+    parser.add_argument("--inplace", action="store_true", help="cross_entropy with inplace_backward=True")
     parser.add_argument("--csv", default="")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--rep", type=float, default=25.0)
@@ -56,6 +58,14 @@ class Undo:
         return [f"{name}.{key}" for name in self.saved for key in vars(sys.modules[name])
                 if key.isupper() and key not in self.saved[name]]
 
+    def clear_caches(self):
+        """Empty the modules' functools caches (the kernel factories): a kernel built under one variant's settings
+        must not serve the next."""
+        for name in self.saved:
+            for value in list(vars(sys.modules[name]).values()):
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
     def restore(self):
         for name, attrs in self.saved.items():
             module = sys.modules[name]
@@ -81,7 +91,7 @@ def main(argv=None):
     timer = lambda fn: bench.queued_bench(fn, args.warmup, args.rep)  # noqa: E731
     copy = bench.gb_per_s(2 * bench.COPY_BYTES, bench.copy_ms(timer))
     print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
-    impl = bench._backend_impl(args.backend)
+    impl = bench._inplace_impl(args.backend) if args.inplace else bench._backend_impl(args.backend)
     variants = [v.split(":", 1) for v in (args.variant or ["base:"])]
     rows = []
     for op in args.ops.split(","):
@@ -89,6 +99,7 @@ def main(argv=None):
             for dtype in args.dtypes.split(","):
                 inputs = bench.make_inputs(case, dtype)
                 for name, statements in variants:
+                    undo.clear_caches()
                     exec(statements, {})  # noqa: S102 - a developer's own tuning statements
                     unknown = undo.added()
                     if unknown:
