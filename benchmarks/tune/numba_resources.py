@@ -3,7 +3,7 @@
 numba compiles a kernel to PTX for any compute capability without a device; the ptxas of pip's CUDA
 compiler package (nvidia-cuda-nvcc, under site-packages/nvidia/cu*/bin, or one on PATH that reads
 numba's PTX version) assembles it and reports registers and spill bytes. The kernels are compiled at
-the launch bound the backend gives them (1024 threads, so at most 64 registers).
+the launch bounds the backend gives them (most for 1024 threads, so at most 64 registers).
 
     python3 benchmarks/tune/numba_resources.py            # every configuration, sm_90
 
@@ -44,7 +44,8 @@ def find_ptxas():
 
 
 def configurations():
-    """(name, kernel, argument types, launch bound) for the softmax kernels of the benchmark shapes."""
+    """(name, kernel, argument types, launch bounds: threads or (threads, blocks)) for the softmax kernels of the
+    benchmark shapes."""
     from numba import types
 
     from multisoft_numba import softmax
@@ -70,12 +71,11 @@ def configurations():
         for threads, cache, blocks in softmax.SPLIT_FORWARD[held]:
             plan = softmax.Plan("split", threads, 1, cache, 0, blocks)
             kernel = softmax.forward_split_kernel(fmt, width, False, held, plan)
-            found.append((f"fwd-split-{name}-{threads}x{cache}", kernel, (arr, arr, *stats),
-                          threads if blocks else MAX_THREADS))
+            found.append((f"fwd-split-{name}-{threads}x{cache}", kernel, (arr, arr, *stats), plan.bound or MAX_THREADS))
         build = softmax._backward_split_packed if packed else softmax._backward_split
         for threads, cache, blocks in softmax.SPLIT_BWD[held]:
             found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, blocks)),
-                          (arr, arr, arr, *stats), threads))
+                          (arr, arr, arr, *stats), (threads, blocks)))
     found += blocksparse_configurations()
     return found
 
@@ -164,7 +164,7 @@ def main(argv=None):
 
     glue.SM80_EVERYWHERE = args.arch >= 80
     print(f"numba-cuda, sm_{args.arch}, {ptxas}")
-    print(f"{'configuration':28} {'bound':>5} {'regs':>4} {'spill stores':>12} {'spill loads':>11} "
+    print(f"{'configuration':28} {'bound':>8} {'regs':>4} {'spill stores':>12} {'spill loads':>11} "
           f"{'instructions':>12}")
     for name, kernel, argtypes, bound in configurations():
         if args.only not in name:
@@ -174,7 +174,8 @@ def main(argv=None):
             os.makedirs(args.sass, exist_ok=True)
             sass_to = os.path.join(args.sass, name + ".sass")
         registers, stores, loads, instructions = report(kernel, argtypes, cc, ptxas, bound, sass_to)
-        print(f"{name:28} {bound:5d} {registers:4d} {stores:12d} {loads:11d} {instructions:12d}", flush=True)
+        print(f"{name:28} {str(bound).replace(' ', ''):>8} {registers:4d} {stores:12d} {loads:11d} {instructions:12d}",
+              flush=True)
     return 0
 
 
