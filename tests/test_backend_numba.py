@@ -273,6 +273,32 @@ def test_long_row_paths_with_a_masked_part(dtype, path, keep_exp, monkeypatch):
                          f"{path} backward {threads}x{cache}")
 
 
+@needs_numba
+def test_split_plans_carry_their_launch_bounds(monkeypatch):
+    """The split plans of a (stand-in) 132-multiprocessor GPU: float32 forward parts of SPLIT_FORWARD, compiled for its
+    blocks a multiprocessor, the 16-bit ones and the wide parts of rows of 1048576 under the 1024-thread bound (None),
+    the backward's for their block size; a plan given as a tuple without blocks is under the 1024-thread bound."""
+    from multisoft_numba import softmax
+    monkeypatch.setattr(softmax, "SIMULATOR", False)
+    monkeypatch.setattr(softmax, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(softmax, "device_index", lambda device: 0)
+    gpu = torch.device("cuda", 0)
+    for held in (4, 2):
+        threads, cache, blocks = softmax.SPLIT_FORWARD[held][0]
+        for n in (131_072, 262_144):
+            plan = softmax._forward_plan(n, held, gpu)
+            assert plan == ("split", threads, -(-n // (threads * cache)), cache, 0, blocks), plan
+            assert plan.bound == ((threads, blocks) if blocks else None)
+        threads, cache, blocks = softmax.SPLIT_BWD[held][-1]
+        plan = softmax._plan(262_144, softmax.CACHE_BWD[held], softmax.SPLIT_BWD[held], held, gpu,
+                             softmax.ROW_GROUP_MAX["backward"], softmax.SPLIT_WIDE["backward"][held])
+        assert plan.path == "split" and plan.bound == (plan.threads, blocks), plan
+    assert softmax.SPLIT_FORWARD[4][0][2] > 0   # the float32 forward's parts are compiled for several blocks
+    wide = softmax._forward_plan(1 << 20, 4, gpu)
+    assert (wide.path, wide.threads, wide.cache, wide.bound) == ("split", *softmax.SPLIT_WIDE["forward"][4][:2], None)
+    assert softmax.Plan(*("split", 256, 4, 64)).bound is None
+
+
 @needs_gpu
 def test_rows_too_long_for_the_split_choices_take_wide_parts():
     """Rows of 1048576: too many parts for the regular split choices (on a GPU of 132 multiprocessors or fewer),
