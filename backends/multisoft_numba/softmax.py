@@ -56,15 +56,15 @@ CACHE_BWD = {4: (16,), 2: (8, 32)}   # backward: elements of y and of dy per thr
 # (tuning/numba-split-budget-round1.txt, numba-split-shape-round1.txt, numba-split-forward-sizes-round1.txt), float32
 # 128 x 64 at 5 blocks against 256 x 32 under the 1024-thread bound, two runs: softmax 0.75 -> 0.78-0.80 at 1024x131072
 # and 0.75-0.78 -> 0.79-0.81 at 512x262144, log_softmax 0.77-0.82 -> 0.84-0.86 and 0.76-0.80 -> 0.83-0.84, every
-# length that splits +0.02-0.07 but 1048576 (the wide parts: level); 4 or 6 blocks, 128 x 32, and holding
+# length that splits +0.02-0.08 but 1048576 (the wide parts: level); 4 or 6 blocks, 128 x 32, and holding
 # exp(x - part max) (SPLIT_KEEP_EXP) lost. bf16 (held as words): 128 or 512 threads, 32 values, and budgets for 2 or 3
 # blocks lost or were mixed (128 threads: +0.04 at 512x262144, -0.01 elsewhere).
 SPLIT_FORWARD = {4: ((128, 64, 5),), 2: ((256, 64, 0),)}
 # Backward: y and dy per thread, compiled for their block size so that 32 values of each fit in registers. Measured
 # on an H200 (tuning/numba-split-bwd-round2.txt) against 256 x 16 float32 values under the 1024-thread bound:
 # 0.85 -> 0.89 at 131072 columns (128 threads), 0.77 -> 0.82 at 262144 and 0.59 -> 0.73 at 524288 (256 threads:
-# half the parts of 128); 16-bit rows level either way. Budgets for 2-4 blocks (numba-split-shape-round1.txt):
-# level, but float32 log_softmax at 131072 +0.02 (3 blocks) and at 262144 -0.05 (3) to -0.20 (4).
+# half the parts of 128); 16-bit rows level either way. Budgets (numba-split-shape-round1.txt) for 2 blocks: level;
+# for 3-4: float32 log_softmax +0.02 at 131072, float32 at 262144 0.04-0.36 slower.
 SPLIT_BWD = {4: ((128, 32, 1), (256, 32, 1)), 2: ((256, 32, 1),)}
 SPLIT_FEW_PARTS = 32
 UNROLL = 8       # elements per thread per step of the looping kernels
