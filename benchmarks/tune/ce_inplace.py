@@ -9,6 +9,7 @@ forward+backward on random logits, the in-place one, and the ordinary one on the
 """
 import argparse
 import sys
+import time
 
 import torch
 
@@ -17,8 +18,6 @@ from multisoft import bench
 
 def host_us_per_call(fn, calls=10):
     """The host's time to queue one call, the GPU held busy meanwhile (no call waits for the GPU)."""
-    import time
-
     torch.cuda.synchronize()
     bench._hold_gpu(200.0)
     start = time.perf_counter()
@@ -42,7 +41,7 @@ def main(argv=None):
     direction = "forward+backward"
     for shape in args.shapes.split(","):
         rows, cols = map(int, shape.split("x"))
-        case = bench.Case("cross_entropy", "headline", shape, (rows, cols), rows * cols)
+        case = bench.dense_cases("cross_entropy", [(rows, cols)], [])[0]
         for dtype in args.dtypes.split(","):
             inputs = bench.make_inputs(case, dtype)
             nbytes = bench.bytes_moved("cross_entropy", direction, rows * cols, bench.ELEMENT_SIZE[dtype])
