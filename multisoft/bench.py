@@ -601,6 +601,7 @@ class Impl:
     make: Callable
     inplace_ops: tuple = ()  # ops whose forward writes the gradient into x (no backward of their own)
     inplace_note: str = ""
+    directions: tuple = DIRECTIONS  # what is timed of each op
 
 
 def _backend_impl(name: str) -> Impl:
@@ -627,7 +628,7 @@ def _inplace_impl(name: str) -> Impl:
         target = inputs["target"]
         return lambda x: multisoft.cross_entropy(x, target, backend=name, inplace_backward=True)
     return Impl(f"{name} inplace", "backend", ("cross_entropy",), make, inplace_ops=("cross_entropy",),
-                inplace_note="inplace_backward's backward overwrites the logits")
+                inplace_note="inplace_backward's backward overwrites the logits", directions=("forward+backward",))
 
 
 def _torch_peer() -> Impl:
@@ -766,9 +767,9 @@ class Runner:
             print(message, file=sys.stderr)
 
     def measure(self, impl: Impl, case: Case, dtype_name: str, inputs: dict, copy_gb_per_s: float | None,
-                results: Results, directions=DIRECTIONS) -> None:
+                results: Results) -> None:
         skip = self.skip_reason(impl, case.op, dtype_name)
-        for direction in directions:
+        for direction in impl.directions:
             record = Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label, case.n, direction,
                             bytes=bytes_moved(case.op, direction, case.elements, ELEMENT_SIZE[dtype_name]))
             results.timings.append(record)
@@ -854,7 +855,8 @@ def choose_impls(args) -> tuple[list[str], list[Impl], str]:
                 print(f"multisoft bench: {error}", file=sys.stderr)
                 continue
             backends.append(name)
-    impls = [_backend_impl(name) for name in backends]
+    # the in-place cross-entropy timed beside the ordinary one, in the same case
+    impls = [_backend_impl(name) for name in backends] + [_inplace_impl(name) for name in backends]
     liger_note = "not timed (--no-peers)"
     if not args.no_peers:
         impls.append(_torch_peer())
@@ -882,11 +884,9 @@ def run(args) -> Results:
     plan = plan_cases(args.ops, args.quick)
     results.timings += same_bytes_copies(runner, plan, args.dtypes, results.copy_gb_per_s)
     memory_cases = plan.get("cross_entropy", [])
-    inplace = [_inplace_impl(name) for name in backends]
-    peers_for_memory = [i for i in impls if i.role == "peer" and "cross_entropy" in i.ops]
+    memory_impls = [impl for impl in impls if "cross_entropy" in impl.ops]
     total = sum(len(cases) * len([i for i in impls if op in i.ops]) for op, cases in plan.items())
-    total = total * len(args.dtypes) + len(memory_cases) * len(args.dtypes) * (
-        len(backends) * 2 + len(peers_for_memory))
+    total = total * len(args.dtypes) + len(memory_cases) * len(args.dtypes) * len(memory_impls)
     runner.progress = Progress(total + 1)
     try:
         for op, cases in plan.items():
@@ -895,8 +895,7 @@ def run(args) -> Results:
                     _run_case(runner, impls, case, dtype_name, results)
         for dtype_name in args.dtypes:
             for case in memory_cases:
-                _run_memory(runner, [_backend_impl(n) for n in backends], inplace, peers_for_memory, case,
-                            dtype_name, results)
+                _run_memory(runner, memory_impls, case, dtype_name, results)
         runner.progress.step("host overhead")
         results.overhead = host_overhead(runner, backends)
     finally:
@@ -946,7 +945,7 @@ def _run_case(runner: Runner, impls: list[Impl], case: Case, dtype_name: str, re
         _recover()
         for impl in runnable:
             runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
-            for direction in DIRECTIONS:
+            for direction in impl.directions:
                 results.timings.append(Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label,
                                               case.n, direction, note=note))
         return
@@ -957,9 +956,8 @@ def _run_case(runner: Runner, impls: list[Impl], case: Case, dtype_name: str, re
     _recover()
 
 
-def _run_memory(runner: Runner, backends: list[Impl], inplace: list[Impl], peers: list[Impl], case: Case,
-                dtype_name: str, results: Results) -> None:
-    """Peak memory of one cross-entropy forward+backward per impl; also times the inplace variants."""
+def _run_memory(runner: Runner, impls: list[Impl], case: Case, dtype_name: str, results: Results) -> None:
+    """Peak memory of one cross-entropy forward+backward per impl."""
     import torch
 
     try:
@@ -969,7 +967,7 @@ def _run_memory(runner: Runner, backends: list[Impl], inplace: list[Impl], peers
         runner.note(f"memory {case.label} {dtype_name}: {describe_error(error)}")
         return
     logits_mib = inputs["x"].numel() * inputs["x"].element_size() / 2**20
-    for impl in backends + inplace + peers:
+    for impl in impls:
         runner.progress.step(f"memory {dtype_name} {case.label} {impl.name}")
         record = MemoryRecord(impl.name, dtype_name, case.label, None, logits_mib)
         results.memory.append(record)
@@ -990,9 +988,6 @@ def _run_memory(runner: Runner, backends: list[Impl], inplace: list[Impl], peers
         except Exception as error:  # noqa: BLE001
             record.note = describe_error(error)
             _recover()
-        if impl in inplace:
-            runner.measure(impl, case, dtype_name, inputs, results.copy_gb_per_s, results,
-                           directions=("forward+backward",))
     del inputs
     _recover()
 

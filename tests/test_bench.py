@@ -423,6 +423,12 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
     assert all(r["impl"] != "broken" or r["note"].startswith("error:") for r in rows)
     inplace = [r for r in rows if r["impl"] == "torch inplace"]
     assert [r["direction"] for r in inplace] == ["forward+backward"] * 2 and all(r["ms"] for r in inplace)
+    for row in inplace:  # timed in its case, beside the ordinary call: only that case's rows between the two
+        at = rows.index(row)
+        plain = rows.index(next(r for r in rows if (r["impl"], r["op"], r["shape"], r["dtype"], r["direction"]) == (
+            "torch", "cross_entropy", row["shape"], row["dtype"], "forward+backward")))
+        assert plain < at and all((r["op"], r["shape"], r["dtype"]) == ("cross_entropy", row["shape"], row["dtype"])
+                                  for r in rows[plain:at])
 
     with open(out / "memory.csv", newline="") as handle:
         memory = {(r["impl"], r["dtype"]): r for r in csv.DictReader(handle)}
