@@ -74,8 +74,10 @@ def configurations():
             found.append((f"fwd-split-{name}-{threads}x{cache}", kernel, (arr, arr, *stats), plan.bound or MAX_THREADS))
         build = softmax._backward_split_packed if packed else softmax._backward_split
         for threads, cache, blocks in softmax.SPLIT_BWD[held]:
-            found.append((f"bwd-split-{name}-{threads}x{cache}", build(fmt, width, False, cache, (threads, blocks)),
-                          (arr, arr, arr, *stats), (threads, blocks)))
+            for log, op in ((False, ""), (True, "-log")):
+                kernel = build(fmt, width, log, cache, (threads, blocks))
+                found.append((f"bwd-split{op}-{name}-{threads}x{cache}", kernel, (arr, arr, arr, *stats),
+                              (threads, blocks)))
     found += blocksparse_configurations()
     return found
 
@@ -164,7 +166,7 @@ def main(argv=None):
 
     glue.SM80_EVERYWHERE = args.arch >= 80
     print(f"numba-cuda, sm_{args.arch}, {ptxas}")
-    print(f"{'configuration':28} {'bound':>8} {'regs':>4} {'spill stores':>12} {'spill loads':>11} "
+    print(f"{'configuration':33} {'bound':>8} {'regs':>4} {'spill stores':>12} {'spill loads':>11} "
           f"{'instructions':>12}")
     for name, kernel, argtypes, bound in configurations():
         if args.only not in name:
@@ -174,7 +176,7 @@ def main(argv=None):
             os.makedirs(args.sass, exist_ok=True)
             sass_to = os.path.join(args.sass, name + ".sass")
         registers, stores, loads, instructions = report(kernel, argtypes, cc, ptxas, bound, sass_to)
-        print(f"{name:28} {str(bound).replace(' ', ''):>8} {registers:4d} {stores:12d} {loads:11d} {instructions:12d}",
+        print(f"{name:33} {str(bound).replace(' ', ''):>8} {registers:4d} {stores:12d} {loads:11d} {instructions:12d}",
               flush=True)
     return 0
 
