@@ -38,7 +38,7 @@ def plant_race() -> None:
     import cupy
 
     out = torch.zeros(64, device="cuda")
-    with cupy.cuda.Device(out.device.index):  # torch's current stream here is the legacy default one, as CuPy's
+    with cupy.cuda.Device(out.device.index):  # on the default stream, which is torch's current one in this script
         cupy.RawKernel(RACE_SOURCE, "planted_race")((1,), (64,), (out.data_ptr(),))
     torch.cuda.synchronize()
     print("planted race launched")

@@ -1,11 +1,11 @@
 """Whether the full run's in-place cross-entropy cells read low because of where the run times them.
 
-`python -m multisoft bench` times the ordinary cross-entropy forward+backward in `_run_case` and the in-place one
-(inplace_backward=True) in `_run_memory`, right after the peak-memory calls of every backend. Timed alone the two
-read the same (ce_inplace.py), in the full run the in-place one 0.01-0.09 lower at bf16 8192x32000. This times, in
-one process and one case, the in-place call beside the ordinary one (as `_run_case` would), then as `_run_memory`
-does after every backend's memory call, then the same without the torch backend's memory call (its float64
-reference fills the allocator's cache with large blocks), and after emptying that cache.
+Until f4865f7 `python -m multisoft bench` timed the ordinary cross-entropy forward+backward in `_run_case` and the
+in-place one (inplace_backward=True) in `_run_memory`, right after the peak-memory calls of every backend. Timed
+alone the two read the same (ce_inplace.py), in the full run the in-place one 0.01-0.09 lower at bf16 8192x32000.
+This times, in one process and one case, the in-place call beside the ordinary one (as `_run_case` does now), then
+as `_run_memory` did, after every backend's memory call, then the same without the torch backend's memory call (its
+float64 reference fills the allocator's cache with large blocks), and after emptying that cache.
 
     python3 benchmarks/tune/ce_inplace_context.py --backends triton,cupy,numba,torch --shape 8192x32000 --dtype bf16
 """
@@ -38,7 +38,7 @@ def main(argv=None):
     without_torch = [impl for impl in plain if impl.name != "torch"]
 
     def after_memory(backends):
-        """As `_run_memory` did up to this script's commit: each impl's memory call, then each in-place one timed."""
+        """As the benchmark did before f4865f7: each impl's memory call, then each in-place one timed."""
         bench._run_memory(runner, backends + inplace, case, args.dtype, results)
         inputs = bench.make_inputs(case, args.dtype)
         for impl in inplace:
