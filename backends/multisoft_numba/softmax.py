@@ -733,6 +733,12 @@ def forward_split_kernel(fmt, width, log: bool, held: int, plan: Plan):
     return _forward_split(fmt, width, log, plan.cache, not log and SPLIT_KEEP_EXP, plan.bound)
 
 
+def backward_split_kernel(fmt, width, log: bool, held: int, plan: Plan):
+    """The backward split kernel of a split Plan for rows that take `held` bytes an element in registers."""
+    build = _backward_split_packed if held == 2 else _backward_split
+    return build(fmt, width, log, plan.cache, plan.bound)
+
+
 def forward(x, out, log: bool, plan=None) -> None:
     rows, n = x.shape
     fmt, width, words = vector_views((x, out))
@@ -763,8 +769,7 @@ def backward(y, dy, dx, log: bool, plan=None) -> None:
     log = bool(log)
     if path == "split":
         stats, sync = _split_buffers(rows, parts, 1, y.device)
-        build = _backward_split_packed if held == 2 else _backward_split
-        launch(build(fmt, width, log, cache, plan.bound), rows * parts, threads,
+        launch(backward_split_kernel(fmt, width, log, held, plan), rows * parts, threads,
                (*words, stats, sync, numpy.int64(parts)))
     elif path == "cached":
         build = _backward_packed if held == 2 else _backward_cached

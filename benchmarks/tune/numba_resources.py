@@ -72,12 +72,12 @@ def configurations():
             plan = softmax.Plan("split", threads, 1, cache, 0, blocks)
             kernel = softmax.forward_split_kernel(fmt, width, False, held, plan)
             found.append((f"fwd-split-{name}-{threads}x{cache}", kernel, (arr, arr, *stats), plan.bound or MAX_THREADS))
-        build = softmax._backward_split_packed if packed else softmax._backward_split
         for threads, cache, blocks in softmax.SPLIT_BWD[held]:
+            plan = softmax.Plan("split", threads, 1, cache, 0, blocks)
             for log, op in ((False, ""), (True, "-log")):
-                kernel = build(fmt, width, log, cache, (threads, blocks))
+                kernel = softmax.backward_split_kernel(fmt, width, log, held, plan)
                 found.append((f"bwd-split{op}-{name}-{threads}x{cache}", kernel, (arr, arr, arr, *stats),
-                              (threads, blocks)))
+                              plan.bound or MAX_THREADS))
     found += blocksparse_configurations()
     return found
 
