@@ -185,11 +185,26 @@ class _BlockSparseSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         lut, scale, backend = ctx.args
-        return _backward(y, dy, lut, scale, backend), None, None, None, None
+        dx = _backward(y, dy, lut, scale, backend)
+        if torch.is_grad_enabled():  # create_graph=True: differentiating dx again must fail by name
+            dx = _NoDoubleBackward.apply(dx, y, dy)
+        return dx, None, None, None, None
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes ``dx`` through, tied to the tensors it was computed from, and raises if it is differentiated."""
+
+    @staticmethod
+    def forward(ctx, dx, *sources):
+        return dx.view_as(dx)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("multisoft.blocksparse_softmax does not support double backward: its gradient "
+                           "(computed with create_graph=True) cannot be differentiated again")
 
 
 def _check_blocks(x, name, lut):
@@ -212,7 +227,7 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor, block: int, *, sc
     _validate.floating(x, "x")
     scale = _validate.finite(scale, "scale")
     is_causal = _validate.boolean(is_causal, "is_causal")
-    name = resolve_name(x.device, x.dtype, backend)
+    name = resolve_name(x.device, x.dtype, _validate.backend_name(backend))
     x = x.contiguous()
     if torch.compiler.is_compiling():
         _validate.tensor(layout, "layout")
@@ -240,7 +255,7 @@ def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torc
     if dy.shape != y.shape:
         raise ValueError(f"dy must have y's shape {tuple(y.shape)}, got {tuple(dy.shape)}")
     scale = _validate.finite(scale, "scale")
-    name = resolve_name(y.device, y.dtype, backend)
+    name = resolve_name(y.device, y.dtype, _validate.backend_name(backend))
     return _backward(y.contiguous(), dy, lut, scale, name)
 
 

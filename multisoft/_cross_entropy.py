@@ -1,7 +1,10 @@
-"""cross_entropy with class-index targets: torch.library ops, autograd, public function.
+"""cross_entropy: torch.library ops, autograd, public function.
 
-The backends compute per-row losses and keep only the per-row log-sum-exp for
-the backward; the reduction is ordinary torch arithmetic on M numbers.
+For class-index targets the backends compute per-row losses and keep only the
+per-row log-sum-exp for the backward; the reduction is ordinary torch
+arithmetic on M numbers. Class-probability targets are computed with torch ops
+(float32 inside, float64 on the ``reference`` backend) until the backends have
+kernels for them.
 """
 
 from __future__ import annotations
@@ -137,26 +140,73 @@ class _CrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         logits, target, weight, weight_sum, lse, denominator = ctx.saved_tensors
-        grad_logits = _backward(logits, target, weight, weight_sum, lse, _grad_per_row(grad, denominator),
+        grad_rows = _grad_per_row(grad, denominator)
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can itself be differentiated
+            if ctx.inplace:
+                raise RuntimeError("multisoft.cross_entropy with inplace_backward=True does not support double "
+                                   "backward (create_graph=True): its gradient overwrites the logits")
+            return (_differentiable_grad(logits, target, weight, grad_rows, *ctx.args[:2]),
+                    None, None, None, None, None, None, None, None, None)
+        grad_logits = _backward(logits, target, weight, weight_sum, lse, grad_rows,
                                 *ctx.args, grad_logits=logits.detach() if ctx.inplace else None)
+        if ctx.inplace:
+            # The kernels wrote through a raw pointer: tell autograd, so that any other use of the logits'
+            # old values (another op that saved them, a second backward) raises instead of reading the gradient.
+            torch.autograd.graph.increment_version(logits)
         return grad_logits, None, None, None, None, None, None, None, None, None
 
 
+def _row_losses(rows_2d, flat_target, weight, ignore_index, label_smoothing):
+    """Per-row losses of class-index targets in differentiable torch ops (the backends' formula), computed in
+    float32 (float64 for float64 logits): the double-backward path."""
+    x = rows_2d.to(_stats_dtype(rows_2d.dtype))
+    neg_log_p = -torch.log_softmax(x, -1)
+    valid = flat_target != ignore_index
+    safe_target = torch.where(valid, flat_target, 0).long()
+    nll = neg_log_p.gather(1, safe_target.unsqueeze(1)).squeeze(1)
+    if weight is not None:
+        nll = nll * weight[safe_target]
+    loss = (1.0 - label_smoothing) * nll
+    if label_smoothing:
+        smooth = neg_log_p @ weight if weight is not None else neg_log_p.sum(-1)
+        loss = loss + label_smoothing / rows_2d.shape[1] * smooth
+    return torch.where(valid, loss, 0.0)
+
+
+def _differentiable_grad(logits, target, weight, grad_rows, ignore_index, label_smoothing):
+    with torch.enable_grad():
+        losses = _row_losses(logits, target, weight, ignore_index, label_smoothing)
+        grad_rows = grad_rows.expand_as(losses) if grad_rows.ndim == 0 else grad_rows
+        (grad,) = torch.autograd.grad(losses, logits, grad_rows.to(losses.dtype), create_graph=True)
+    return grad
+
+
 def _check(logits, target, weight, ignore_index, reduction, label_smoothing):
+    """Validates the arguments; returns (number of classes, label_smoothing as float, probability targets?)."""
     _validate.floating(logits, "logits")
     _validate.tensor(target, "target")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold class indices as int64 or int32, got {target.dtype}")
     if logits.ndim == 0:
         raise ValueError("logits must have shape (C,), (N, C) or (N, C, d1, ...), got a 0-d tensor")
-    expected = logits.shape[:1] + logits.shape[2:] if logits.ndim >= 2 else torch.Size()
-    if target.shape != expected:
-        raise ValueError(f"target must have shape {tuple(expected)} for logits of shape {tuple(logits.shape)}, "
-                         f"got {tuple(target.shape)}")
     classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]
+    probabilities = target.is_floating_point()
+    if probabilities:
+        if target.shape != logits.shape:
+            raise ValueError(f"target of class probabilities must have the logits' shape {tuple(logits.shape)}, "
+                             f"got {tuple(target.shape)}")
+        if ignore_index != -100:
+            raise ValueError("ignore_index is not supported with class-probability targets (floating target)")
+    else:
+        if target.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"target must hold class indices as int64 or int32, or class probabilities of a "
+                            f"floating dtype, got {target.dtype}")
+        expected = logits.shape[:1] + logits.shape[2:] if logits.ndim >= 2 else torch.Size()
+        if target.shape != expected:
+            raise ValueError(f"target must have shape {tuple(expected)} for logits of shape "
+                             f"{tuple(logits.shape)}, got {tuple(target.shape)}")
+    if classes == 0 and target.numel() > 0:
+        raise ValueError(f"logits has no classes (shape {tuple(logits.shape)}): there is nothing to predict from")
     if weight is not None:
         _validate.floating(weight, "weight")
         if weight.shape != (classes,):
@@ -167,27 +217,41 @@ def _check(logits, target, weight, ignore_index, reduction, label_smoothing):
     label_smoothing = _validate.real(label_smoothing, "label_smoothing")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    return classes, label_smoothing
+    return classes, label_smoothing, probabilities
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.Tensor | None = None,
-                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
                   backend: str | None = None, inplace_backward: bool = False) -> torch.Tensor:
-    """Cross-entropy between ``logits`` and class-index ``target``, like ``F.cross_entropy``.
+    """Cross-entropy between ``logits`` and ``target``, like ``F.cross_entropy``.
 
-    ``logits`` is (C,), (N, C) or (N, C, d1, ...); ``target`` int64/int32 of the
-    matching shape. Only the per-row log-sum-exp is kept for the backward, so
-    forward plus backward allocate nothing of the logits' size but the gradient.
+    ``logits`` is (C,), (N, C) or (N, C, d1, ...). ``target`` holds class
+    indices (int64/int32, the logits' shape without C) or class probabilities
+    (a floating tensor of the logits' shape), as in ``F.cross_entropy``, with
+    the same ``weight``, ``ignore_index`` (class indices only), ``reduction``
+    and ``label_smoothing``. With class indices only the per-row log-sum-exp is
+    kept for the backward, so forward plus backward allocate nothing of the
+    logits' size but the gradient.
 
     ``inplace_backward=True`` has the backward write the gradient into
     ``logits`` itself (no gradient buffer at all): ``logits`` is overwritten by
     the backward and must not be used after it (``logits.grad`` is that same
-    memory). Logits that are not a contiguous (N, C) or (C,) tensor are
-    gathered into a contiguous copy first, which then holds the gradient.
-    Eager mode only: under ``torch.compile`` the gradient gets its own buffer.
+    memory). The write bumps the logits' version counter, so autograd raises if
+    anything else saved them for its own backward. Logits that are not a
+    contiguous (N, C) or (C,) tensor are gathered into a contiguous copy first,
+    which then holds the gradient. Eager mode and class-index targets only:
+    under ``torch.compile`` the gradient gets its own buffer.
+
+    Double backward (``create_graph=True``) works, except with ``inplace_backward``.
     """
-    classes, label_smoothing = _check(logits, target, weight, ignore_index, reduction, label_smoothing)
+    classes, label_smoothing, probabilities = _check(logits, target, weight, ignore_index, reduction,
+                                                     label_smoothing)
     _validate.boolean(inplace_backward, "inplace_backward")
+    backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend))
+    if probabilities:
+        if inplace_backward:
+            raise ValueError("inplace_backward=True is not supported with class-probability targets")
+        return _probability_targets(logits, target, weight, reduction, label_smoothing, backend)
     out_dtype = logits.dtype
     stats_dtype = _stats_dtype(logits.dtype)
     if logits.ndim == 1:
@@ -197,7 +261,6 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
     else:
         rows_2d = logits.movedim(1, -1).reshape(-1, classes)
         flat_target = target.reshape(-1)
-    backend = resolve_name(logits.device, logits.dtype, backend)
     rows_2d = rows_2d.contiguous()
     flat_target = flat_target.contiguous()
     weight32 = weight.to(stats_dtype).contiguous() if weight is not None else None
@@ -215,15 +278,32 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, weight: torch.T
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
+def _probability_targets(logits, target, weight, reduction, label_smoothing, backend):
+    """Class-probability targets in differentiable torch ops, computed in float32 (float64 for float64 logits
+    or on the ``reference`` backend): ``-sum_c w[c] * q[c] * log_softmax(logits)[c]`` per row with
+    ``q = (1 - eps) * target + eps / C``; a mean divides by the number of rows, as torch does."""
+    compute = torch.float64 if backend == "reference" else _stats_dtype(logits.dtype)
+    log_p = torch.log_softmax(logits.to(compute), 1 if logits.ndim >= 2 else 0)
+    q = target.to(compute)
+    classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]
+    if label_smoothing:
+        q = (1.0 - label_smoothing) * q + label_smoothing / classes
+    if weight is not None:
+        shape = (classes,) + (1,) * (logits.ndim - 2) if logits.ndim >= 2 else (classes,)
+        q = q * weight.to(compute).reshape(shape)
+    per_row = -(q * log_p).sum(1 if logits.ndim >= 2 else 0)
+    if reduction == "none":
+        loss = per_row
+    elif reduction == "sum":
+        loss = per_row.sum()
+    else:
+        loss = per_row.mean() if per_row.numel() else per_row.sum() / 0.0
+    return loss.to(logits.dtype)
+
+
 def _empty_rows(rows_2d, flat_target, weight, ignore_index, reduction, stats_dtype):
-    """The loss of logits with no elements (no rows, or no classes), from torch ops."""
+    """The loss of logits with no rows, from torch ops: torch's (an empty tensor, 0, or NaN for a mean)."""
     per_row = rows_2d.sum(-1).to(stats_dtype)
     if reduction == "none":
         return per_row
-    if reduction == "sum":
-        return per_row.sum()
-    valid = flat_target != ignore_index
-    if weight is None:
-        return per_row.sum() / valid.sum().to(stats_dtype)
-    classes = rows_2d.shape[1]
-    return per_row.sum() / (weight[flat_target.clamp(0, max(classes - 1, 0)).long()] * valid).sum()
+    return per_row.sum() if reduction == "sum" else per_row.sum() / 0.0

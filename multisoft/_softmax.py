@@ -72,16 +72,31 @@ class _Softmax(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can itself be differentiated
+            return _differentiable_backward(y, dy, ctx.log), None, None
         return _backward(y, dy, ctx.log, ctx.backend), None, None
 
 
+def _differentiable_backward(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
+    """The backward in torch ops on the saved output (itself a function of x), for double backward."""
+    compute = torch.promote_types(y.dtype, torch.float32)
+    y32, dy32 = y.to(compute), dy.to(compute)
+    if log:
+        dx = dy32 - y32.exp() * dy32.sum(-1, keepdim=True)
+    else:
+        dx = y32 * (dy32 - (y32 * dy32).sum(-1, keepdim=True))
+    return dx.to(y.dtype)
+
+
 def _apply(x, dim, dtype, backend, log):
-    _validate.floating(x, "x")
+    _validate.tensor(x, "x")
     dtype = _validate.float_dtype(dtype)
+    if dtype is None:
+        _validate.floating(x, "x")  # like torch: an integer x needs a floating dtype= to compute in
     dim = _validate.dim(dim, x.ndim)
+    backend = _validate.backend_name(backend)
     if dtype is not None:
         x = x.to(dtype)
     if x.ndim == 0:
@@ -108,8 +123,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
             backend: str | None = None) -> torch.Tensor:
     """Softmax of ``x`` along ``dim``, like ``torch.softmax``; differentiable.
 
-    ``dtype`` casts ``x`` first; ``backend`` picks the implementation (see
+    ``dtype`` casts ``x`` first (so an integer ``x`` works with a floating
+    ``dtype``, as in torch); ``backend`` picks the implementation (see
     ``multisoft.use_backend``). Arithmetic is float32 for 16-bit inputs.
+    Double backward (``create_graph=True``) works.
     """
     return _apply(x, dim, dtype, backend, log=False)
 

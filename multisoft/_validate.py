@@ -73,3 +73,10 @@ def same_device(reference: torch.Tensor, reference_name: str, **others: torch.Te
     for name, other in others.items():
         if other is not None and other.device != reference.device:
             raise ValueError(f"{name} is on {other.device} but {reference_name} is on {reference.device}")
+
+
+def backend_name(value, name: str = "backend") -> str | None:
+    """A backend name or None (the automatic choice); the registry says whether the name is known."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a backend name (str) or None, got {type(value).__name__}")
+    return value

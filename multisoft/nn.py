@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ._cross_entropy import cross_entropy
@@ -9,6 +11,13 @@ from ._softmax import log_softmax, softmax
 
 
 class Softmax(torch.nn.Module):
+    """``torch.nn.Softmax`` on multisoft's kernels: ``multisoft.softmax(x, dim)``.
+
+    ``dim`` defaults to the last dimension (torch's module has no default and
+    guesses one with a warning). ``backend`` picks the implementation for every
+    call (None: the automatic choice, see ``multisoft.use_backend``).
+    """
+
     def __init__(self, dim: int = -1, *, backend: str | None = None):
         super().__init__()
         self.dim, self.backend = dim, backend
@@ -21,22 +30,46 @@ class Softmax(torch.nn.Module):
 
 
 class LogSoftmax(Softmax):
+    """``torch.nn.LogSoftmax`` on multisoft's kernels: ``multisoft.log_softmax(x, dim)``; arguments as ``Softmax``."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return log_softmax(x, self.dim, backend=self.backend)
 
 
+def _legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
+    """torch's deprecated ``size_average``/``reduce`` pair as a ``reduction`` (as ``torch.nn`` maps them)."""
+    warnings.warn("size_average and reduce are deprecated, as in torch: use reduction='none'|'mean'|'sum'",
+                  DeprecationWarning, stacklevel=3)
+    if reduce is False:
+        return "none"
+    return "sum" if size_average is False else "mean"
+
+
 class CrossEntropyLoss(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+    """``torch.nn.CrossEntropyLoss`` on multisoft's kernels: ``multisoft.cross_entropy(logits, target, ...)``.
+
+    The positional order is torch's (``weight, size_average, ignore_index,
+    reduce, reduction, label_smoothing``; the two deprecated ones map to a
+    ``reduction`` as torch maps them). ``weight`` is a buffer, so it follows
+    ``.to(device)``. Keyword-only: ``backend`` (the implementation for every
+    call) and ``inplace_backward`` (the backward overwrites the logits with
+    their gradient, see ``multisoft.cross_entropy``).
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, size_average: bool | None = None,
+                 ignore_index: int = -100, reduce: bool | None = None, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, backend: str | None = None, inplace_backward: bool = False):
         super().__init__()
+        if size_average is not None or reduce is not None:
+            reduction = _legacy_reduction(size_average, reduce)
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.backend, self.inplace_backward = backend, inplace_backward
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, target, weight=self.weight, ignore_index=self.ignore_index,
-                             reduction=self.reduction, label_smoothing=self.label_smoothing,
+        return cross_entropy(logits, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
                              backend=self.backend, inplace_backward=self.inplace_backward)
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, backend={self.backend!r}"
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, backend={self.backend!r}")

@@ -1,0 +1,230 @@
+"""A user swaps a torch.nn.functional call for multisoft's: the same arguments, the same answers, the same errors.
+
+Also the in-place cross-entropy's contract with autograd: its write into the logits is visible to autograd (the
+version counter), so every misuse raises, on every backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import multisoft
+from harness import DEVICE, assert_close, backends_under_test
+from multisoft.check import DTYPES
+
+BACKENDS = backends_under_test()
+on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
+
+
+# -- inplace_backward and autograd
+
+
+def _linear_logits(rows=6, hidden=8, classes=40):
+    h = torch.randn(rows, hidden, device=DEVICE, requires_grad=True)
+    w = torch.randn(hidden, classes, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, classes, (rows,), device=DEVICE)
+    return h, w, target
+
+
+@on_each_backend
+def test_inplace_backward_raises_when_the_logits_are_saved_elsewhere(backend):
+    h, w, target = _linear_logits()
+    logits = h @ w
+    loss = (logits ** 2).mean() + multisoft.cross_entropy(logits, target, inplace_backward=True, backend=backend)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@on_each_backend
+def test_inplace_backward_bumps_the_version_and_a_second_backward_raises(backend):
+    h, w, target = _linear_logits()
+    logits = h @ w
+    loss = multisoft.cross_entropy(logits, target, inplace_backward=True, backend=backend)
+    version = logits._version
+    loss.backward(retain_graph=True)
+    assert logits._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@on_each_backend
+def test_inplace_backward_used_correctly_gives_the_right_gradients(backend):
+    h, w, target = _linear_logits()
+    multisoft.cross_entropy(h @ w, target, inplace_backward=True, backend=backend).backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    F.cross_entropy(h64 @ w64, target).backward()
+    assert_close(h.grad, h64.grad, torch.float32, "dh")
+    assert_close(w.grad, w64.grad, torch.float32, "dW")
+
+
+# -- shapes and signatures
+
+
+def test_zero_classes_raise():
+    for logits, target in [(torch.randn(4, 0), torch.zeros(4, dtype=torch.long)),
+                           (torch.randn(0), torch.tensor(0)),
+                           (torch.randn(2, 0, 3), torch.zeros(2, 3, dtype=torch.long))]:
+        with pytest.raises(ValueError, match="logits has no classes"):
+            multisoft.cross_entropy(logits, target)
+
+
+def test_no_rows_give_torchs_answers():
+    logits, target = torch.randn(0, 5), torch.zeros(0, dtype=torch.long)
+    for reduction in ("none", "mean", "sum"):
+        torch.testing.assert_close(multisoft.cross_entropy(logits, target, reduction=reduction),
+                                   F.cross_entropy(logits, target, reduction=reduction), equal_nan=True)
+
+
+@on_each_backend
+def test_weight_and_the_rest_positionally_as_in_torch(backend):
+    logits = torch.randn(7, 30, device=DEVICE)
+    target = torch.randint(0, 30, (7,), device=DEVICE)
+    target[2] = 5
+    weight = torch.rand(30, device=DEVICE) + 0.5
+    loss = multisoft.cross_entropy(logits, target, weight, 5, "sum", 0.1, backend=backend)
+    expected = F.cross_entropy(logits.double(), target, weight.double(), ignore_index=5, reduction="sum",
+                               label_smoothing=0.1)
+    assert_close(loss, expected, torch.float32, "loss")
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@on_each_backend
+def test_integer_input_with_a_floating_dtype(backend, log):
+    x = torch.randint(-5, 5, (3, 20), device=DEVICE)
+    op, torch_op = (multisoft.log_softmax, torch.log_softmax) if log else (multisoft.softmax, torch.softmax)
+    y = op(x, 1, dtype=torch.float32, backend=backend)
+    assert y.dtype == torch.float32
+    assert_close(y, torch_op(x.double(), 1), torch.float32, "forward")
+    with pytest.raises(TypeError, match="x must have a floating dtype"):
+        op(x, 1, backend=backend)
+
+
+def test_backend_must_be_a_name():
+    x = torch.randn(2, 3)
+    layout = torch.ones(1, 1, 1, dtype=torch.long)
+    blocks = torch.randn(1, 1, 16, 16)
+    calls = [lambda: multisoft.softmax(x, backend=1), lambda: multisoft.log_softmax(x, backend=1),
+             lambda: multisoft.cross_entropy(x, torch.tensor([0, 1]), backend=1),
+             lambda: multisoft.blocksparse_softmax(blocks, layout, 16, backend=1),
+             lambda: multisoft.blocksparse_softmax_backward(blocks, blocks, layout, 16, backend=1)]
+    for call in calls:
+        with pytest.raises(TypeError, match="backend must be a backend name"):
+            call()
+
+
+# -- class-probability targets
+
+
+PROBABILITY_CASES = {
+    "2d": dict(shape=(9, 37)),
+    "1d": dict(shape=(23,)),
+    "weight-smooth": dict(shape=(9, 37), weight=True, label_smoothing=0.2),
+    "spatial-weight": dict(shape=(3, 11, 4), weight=True),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", PROBABILITY_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@on_each_backend
+def test_class_probability_targets(backend, dtype, case, reduction):
+    spec = PROBABILITY_CASES[case]
+    shape, class_dim = spec["shape"], 0 if len(spec["shape"]) == 1 else 1
+    logits = (torch.randn(shape, device=DEVICE) * 2).to(dtype).requires_grad_()
+    target = torch.softmax(torch.randn(shape, device=DEVICE) * 2, class_dim)
+    weight = torch.rand(shape[class_dim], device=DEVICE) + 0.5 if spec.get("weight") else None
+    kwargs = dict(weight=weight, reduction=reduction, label_smoothing=spec.get("label_smoothing", 0.0))
+    loss = multisoft.cross_entropy(logits, target, backend=backend, **kwargs)
+    logits64 = logits.detach().double().requires_grad_()
+    expected = F.cross_entropy(logits64, target.double(), **{**kwargs, "weight": None if weight is None
+                                                              else weight.double()})
+    assert loss.shape == expected.shape and loss.dtype == dtype
+    assert_close(loss, expected, dtype, "loss")
+    grad_out = torch.rand_like(expected)
+    (grad,) = torch.autograd.grad(loss, logits, grad_out.to(loss.dtype))
+    (expected_grad,) = torch.autograd.grad(expected, logits64, grad_out)
+    assert_close(grad, expected_grad, dtype, "gradient")
+
+
+def test_class_probability_targets_refuse_what_torch_refuses():
+    logits = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="ignore_index"):
+        multisoft.cross_entropy(logits, torch.rand(4, 6), ignore_index=1)
+    with pytest.raises(ValueError, match="logits' shape"):
+        multisoft.cross_entropy(logits, torch.rand(4, 5))
+    with pytest.raises(ValueError, match="inplace_backward"):
+        multisoft.cross_entropy(logits.requires_grad_(), torch.rand(4, 6), inplace_backward=True)
+
+
+# -- double backward
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@on_each_backend
+def test_softmax_double_backward(backend, log):
+    x = torch.randn(5, 33, device=DEVICE, requires_grad=True)
+    v, u = torch.randn(5, 33, device=DEVICE), torch.randn(5, 33, device=DEVICE)
+    op, torch_op = (multisoft.log_softmax, torch.log_softmax) if log else (multisoft.softmax, torch.softmax)
+    (g,) = torch.autograd.grad((op(x, -1, backend=backend) * v).sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad((g * u).sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    (g64,) = torch.autograd.grad((torch_op(x64, -1) * v.double()).sum(), x64, create_graph=True)
+    (gg64,) = torch.autograd.grad((g64 * u.double()).sum(), x64)
+    assert_close(g, g64, torch.float32, "first gradient")
+    assert_close(gg, gg64, torch.float32, "second gradient", gg64.abs() + 1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@on_each_backend
+def test_cross_entropy_double_backward(backend, reduction):
+    logits = torch.randn(6, 25, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, 25, (6,), device=DEVICE)
+    target[1] = -100
+    weight = torch.rand(25, device=DEVICE) + 0.5
+    u = torch.randn(6, 25, device=DEVICE)
+    kwargs = dict(reduction=reduction, label_smoothing=0.1)
+    loss = multisoft.cross_entropy(logits, target, weight, backend=backend, **kwargs)
+    (g,) = torch.autograd.grad(loss.sum(), logits, create_graph=True)
+    (gg,) = torch.autograd.grad((g * u).sum(), logits)
+    logits64 = logits.detach().double().requires_grad_()
+    loss64 = F.cross_entropy(logits64, target, weight.double(), **kwargs)
+    (g64,) = torch.autograd.grad(loss64.sum(), logits64, create_graph=True)
+    (gg64,) = torch.autograd.grad((g64 * u.double()).sum(), logits64)
+    assert_close(g, g64, torch.float32, "first gradient")
+    assert_close(gg, gg64, torch.float32, "second gradient", gg64.abs() + gg64.abs().max())
+
+
+@on_each_backend
+def test_double_backward_errors_say_so(backend):
+    logits = torch.randn(4, 9, device=DEVICE, requires_grad=True)
+    loss = multisoft.cross_entropy(logits * 1, torch.tensor([1, 2, 3, 4], device=DEVICE), inplace_backward=True,
+                                   backend=backend)
+    with pytest.raises(RuntimeError, match="inplace_backward=True does not support double backward"):
+        torch.autograd.grad(loss, logits, create_graph=True)
+    layout = torch.ones(1, 2, 2, dtype=torch.long)
+    blocks = torch.randn(1, 4, 16, 16, device=DEVICE, requires_grad=True)
+    y = multisoft.blocksparse_softmax(blocks, layout, 16, backend=backend)
+    (g,) = torch.autograd.grad((y * torch.randn_like(y)).sum(), blocks, create_graph=True)
+    with pytest.raises(RuntimeError, match="blocksparse_softmax does not support double backward"):
+        torch.autograd.grad(g.sum(), blocks)
+
+
+# -- multisoft.nn
+
+
+def test_nn_modules_have_docstrings_and_torchs_positional_order():
+    for module in (multisoft.nn.Softmax, multisoft.nn.LogSoftmax, multisoft.nn.CrossEntropyLoss):
+        assert module.__doc__ and module.__name__.replace("Loss", "") in module.__doc__
+    weight = torch.rand(6) + 0.5
+    ours = multisoft.nn.CrossEntropyLoss(weight, None, 2, None, "sum", 0.1)
+    theirs = torch.nn.CrossEntropyLoss(weight, None, 2, None, "sum", 0.1)
+    logits, target = torch.randn(5, 6), torch.tensor([0, 2, 5, 2, 1])
+    torch.testing.assert_close(ours(logits, target), theirs(logits, target))
+    with pytest.warns(DeprecationWarning):
+        legacy = multisoft.nn.CrossEntropyLoss(reduce=False)
+    assert legacy.reduction == "none"
+    probabilities = torch.softmax(torch.randn(5, 6), 1)
+    ours, theirs = multisoft.nn.CrossEntropyLoss(weight), torch.nn.CrossEntropyLoss(weight)
+    torch.testing.assert_close(ours(logits, probabilities), theirs(logits, probabilities))
