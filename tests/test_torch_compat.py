@@ -138,8 +138,8 @@ def test_class_probability_targets(backend, dtype, case, reduction):
     kwargs = dict(weight=weight, reduction=reduction, label_smoothing=spec.get("label_smoothing", 0.0))
     loss = multisoft.cross_entropy(logits, target, backend=backend, **kwargs)
     logits64 = logits.detach().double().requires_grad_()
-    expected = F.cross_entropy(logits64, target.double(), **{**kwargs, "weight": None if weight is None
-                                                              else weight.double()})
+    weight64 = None if weight is None else weight.double()
+    expected = F.cross_entropy(logits64, target.double(), **{**kwargs, "weight": weight64})
     assert loss.shape == expected.shape and loss.dtype == dtype
     assert_close(loss, expected, dtype, "loss")
     grad_out = torch.rand_like(expected)
