@@ -1,4 +1,4 @@
-"""``python -m multisoft info | check | bench``."""
+"""The command line: ``multisoft info``, ``multisoft check``, ``multisoft bench`` (or ``python -m multisoft ...``)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def _info(args) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A command line that names something that does not exist or cannot run here: exit status 2."""
+
+
 def _check(args) -> int:
     import torch
 
@@ -48,9 +52,21 @@ def _check(args) -> int:
     if args.backends:
         names = [n.strip() for n in args.backends.split(",") if n.strip()]
         for name in names:
-            get_backend(name)
+            try:
+                reason = get_backend(name).unavailable_reason(device, torch.float32)
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+            if reason is not None:
+                raise UsageError(f"backend {name!r} cannot run on {device}: {reason}")
     else:
-        names = [b.name for b in _default_backends() if b.unavailable_reason(device, torch.float32) is None]
+        names, skipped = [], []
+        for backend in _default_backends():
+            reason = backend.unavailable_reason(device, torch.float32)
+            (names.append(backend.name) if reason is None else skipped.append((backend.name, reason)))
+        for name, reason in skipped:
+            print(f"skipped {name}: {reason}")
+        if skipped and device.type == "cpu" and not args.simulate:
+            print("(--simulate runs triton under its interpreter and numba under its CUDA simulator on the CPU)")
     small = device.type == "cpu"
     print(f"checking {', '.join(names)} on {device} ({'small' if small else 'full'} shapes) "
           f"against float64 references ...", flush=True)
@@ -67,8 +83,20 @@ def _bench(args, rest) -> int:
     return bench.main(rest)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m multisoft", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "multisoft") -> int:
+    """The command line; returns the exit status. Output cut short by a closed pipe (``| head``) is not an error."""
+    try:
+        return _main(argv, prog)
+    except BrokenPipeError:
+        # Python would report the pipe again when it flushes stdout at exit: point stdout at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None, prog: str) -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="softmax, cross-entropy and block-sparse softmax on several backends: what is "
+                               "installed here, whether it agrees with float64, how fast it runs")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="backends, their versions and availability, the GPU")
     check = commands.add_parser("check", help="every op on every backend that can run here vs float64")
@@ -85,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "simulate", False):
         # This process is the program, not the library: set them before anything imports the frameworks.
         os.environ.update(SIMULATION_VARIABLES)
-    return _info(args) if args.command == "info" else _check(args)
+    try:
+        return _info(args) if args.command == "info" else _check(args)
+    except UsageError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ import importlib.util
 
 import torch
 
-from . import _catalog  # imports no CUDA framework
-
 NAME = "cupy"
 PRIORITY = 200
 INSTALL = "pip install 'multisoft[cupy-cuda12]' or 'multisoft[cupy-cuda13]'"
@@ -44,12 +42,8 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def notes() -> list[str]:
     return [
-        "kernels compile on first use per device, dtype and shape class (NVRTC); "
-        "CuPy caches binaries on disk ($CUPY_CACHE_DIR)",
-        "long rows are split over blocks that exchange their chunk's statistics through global memory (the "
-        f"backward, and the float32 forward from {_catalog.SPLIT_MIN_COLUMNS[('fwd', 4)]} columns), or "
-        "staged in shared memory (cp.async; a cluster of blocks per long row), where that measured faster, "
-        "else held in registers; rows longer than any of these holds are read twice",
-        "the block-sparse forward stages each row in shared memory (cp.async, a warp per row) where the layout's "
-        f"mean row is {_catalog.BLOCKSPARSE_STAGED_FROM} elements or more",
+        "needs an NVIDIA GPU of compute capability 8.0 or newer and the CuPy wheel of its CUDA major version "
+        "(cupy-cuda12x or cupy-cuda13x)",
+        "kernels compile on first use for each GPU, dtype and shape class; CuPy keeps the binaries in "
+        "~/.cupy/kernel_cache ($CUPY_CACHE_DIR moves it)",
     ]

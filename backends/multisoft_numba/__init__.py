@@ -43,7 +43,8 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype not in DTYPES:
         return f"{dtype} is not supported (float32, float16, bfloat16)"
     if device.type == "cpu":
-        return None if _simulator_on() else "CPU tensors need numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1)"
+        return None if _simulator_on() else ("runs on CUDA GPUs (on the CPU only under numba's CUDA simulator, "
+                                             "NUMBA_ENABLE_CUDASIM=1: slow, for tests)")
     if device.type != "cuda":
         return f"runs on CUDA devices, not {device.type}"
     if _simulator_on():
@@ -57,8 +58,9 @@ def notes() -> list[str]:
         lines.append("NUMBA_ENABLE_CUDASIM=1: kernels run in numba's CUDA simulator (CPU, slow)")
     import numpy
     if not hasattr(numpy, "row_stack"):
-        lines.append(f"numpy {numpy.__version__} has no row_stack, which numba-cuda {_dist_version('numba-cuda')} "
-                     "overloads on import: multisoft_numba lends numpy a placeholder during that import "
-                     "(multisoft_numba/_glue.py)")
-    lines.append("kernels are cached on disk after the first compile (NUMBA_CACHE_DIR to move the cache)")
+        lines.append(f"numpy {numpy.__version__} has no numpy.row_stack, which numba-cuda "
+                     f"{_dist_version('numba-cuda')} still names: multisoft lends it a stand-in while numba-cuda "
+                     "imports (harmless)")
+    lines.append("kernels compile on first use (seconds each) and are cached on disk beside multisoft_numba's "
+                 "sources ($NUMBA_CACHE_DIR moves the cache)")
     return lines

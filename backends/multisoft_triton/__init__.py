@@ -39,7 +39,7 @@ def unavailable_reason(device, dtype):
     if kind == "cpu":
         if _interpreting():
             return None
-        return "CPU tensors need TRITON_INTERPRET=1 (the triton interpreter)"
+        return "runs on CUDA GPUs (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1: slow, for tests)"
     return f"device type {kind!r} is not supported"
 
 
@@ -47,4 +47,6 @@ def notes():
     lines = []
     if _interpreting():
         lines.append("TRITON_INTERPRET=1: kernels run in the triton interpreter on CPU (slow)")
+    lines.append("kernels compile on first use for each GPU, dtype and shape class; Triton keeps them in "
+                 "~/.triton/cache ($TRITON_CACHE_DIR moves it)")
     return lines

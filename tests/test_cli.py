@@ -1,0 +1,63 @@
+"""The command line as a user meets it: exit statuses, messages, pipes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multisoft import cli
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "multisoft", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def test_check_of_an_unknown_backend_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check", "--backends", "foo"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown backend 'foo'" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where cupy cannot run: no CUDA device")
+def test_check_of_a_backend_that_cannot_run_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check", "--backends", "cupy"])
+    assert exit_.value.code == 2
+    assert "backend 'cupy' cannot run on cpu" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skipped backends are the ones a CPU cannot run")
+def test_check_says_what_it_skipped_and_how_to_include_it():
+    plain = {k: v for k, v in os.environ.items() if k not in cli.SIMULATION_VARIABLES}
+    result = subprocess.run([sys.executable, "-m", "multisoft", "check"], capture_output=True, text=True, env=plain)
+    assert result.returncode == 0, result.stdout + result.stderr
+    from multisoft._registry import _default_backends
+    cannot = [b.name for b in _default_backends() if b.unavailable_reason(torch.device("cpu"), torch.float32)]
+    if not cannot:
+        pytest.skip("every installed backend runs here: nothing to skip")
+    for name in cannot:
+        assert f"skipped {name}: " in result.stdout
+    assert "--simulate" in result.stdout
+
+
+def test_the_help_names_the_program_as_it_was_called(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: multisoft ")
+    assert _run("--help").stdout.startswith("usage: python -m multisoft ")
+
+
+def test_info_into_a_closed_pipe_ends_quietly():
+    process = subprocess.Popen([sys.executable, "-m", "multisoft", "info"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the program writes, as with `| head -0`
+    _, err = process.communicate()
+    assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
+    assert process.returncode == 0
