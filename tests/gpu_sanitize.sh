@@ -5,8 +5,8 @@
 # past a tensor's end is reported, not hidden inside a cached segment. First a planted write one element past a
 # tensor's end (tests/sanitize_planted.py) must be reported, or the sanitizer's silence about the tests proves nothing;
 # under racecheck, a planted shared-memory race in a kernel that CuPy compiles at run time (the same file; it needs
-# CuPy). racecheck did not report a first plant of one write and one read
-# (benchmarks/results/h200-sanitize-session30.log).
+# CuPy; racecheck on an H200 does not report a plant of one write and one read, so two warps each read what the
+# other writes).
 #   OUT=/some/dir [TOOL=memcheck] [WORKERS=0] bash tests/gpu_sanitize.sh [pytest args, default tests/test_agreement.py]
 #   (or, for every op, backend and dtype at the GPU shapes of `multisoft check`: ... gpu_sanitize.sh --check)
 # TOOL: memcheck, synccheck or racecheck (for racecheck, leave out torch's own kernels, whose reductions the float64

@@ -1,4 +1,5 @@
-"""The benchmark command: its no-GPU path and its pure-python parts (bytes, plans, reports, plots)."""
+"""The benchmark command: its no-GPU path and its pure-python parts (bytes, plans, reports, plots), and the
+committed results and shortfall reasons in benchmarks/."""
 
 import csv
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from multisoft import bench
+from multisoft.bench import command, impls, plan, records, report, run, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,11 +27,12 @@ def _run(*args):
                           cwd=ROOT, timeout=300)
 
 
-def test_without_gpu_says_so_and_exits_zero(tmp_path):
+def test_without_gpu_says_so_and_fails(tmp_path):
+    """It ran nothing: a script that runs the benchmark must not take that for success."""
     out = tmp_path / "results"
     done = _run("-c", f"import multisoft.bench as b; raise SystemExit(b.main(['--out', {str(out)!r}]))")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == bench.NO_GPU_MESSAGE
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == bench.NO_GPU_MESSAGE
     assert "Traceback" not in done.stderr
     assert not out.exists()
 
@@ -38,8 +41,8 @@ def test_command_line_without_gpu():
     if not (ROOT / "multisoft" / "__main__.py").exists():
         pytest.skip("python -m multisoft is not there yet")
     done = _run("-m", "multisoft", "bench", "--quick")
-    assert done.returncode == 0, done.stderr
-    assert bench.NO_GPU_MESSAGE in done.stdout
+    assert done.returncode == 1, done.stderr
+    assert bench.NO_GPU_MESSAGE in done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -59,14 +62,44 @@ def test_bad_arguments_give_status_2(capsys):
 
 
 def test_arguments():
-    args = bench.parse_args(["--ops", "blocksparse, ce,softmax", "--dtypes", "bf16", "--fp16", "--quick"])
+    args = command.parse_args(["--ops", "blocksparse, ce,softmax", "--dtypes", "bf16", "--fp16", "--quick"])
     assert args.ops == ["blocksparse_softmax", "cross_entropy", "softmax"]
     assert args.dtypes == ["bf16", "fp16"]
     assert args.timer == "queued"
-    args = bench.parse_args(["--backends", "triton,torch", "--timer", "do_bench"])
+    args = command.parse_args(["--backends", "triton,torch", "--timer", "do_bench"])
     assert args.timer == "do_bench"
-    assert args.ops == list(bench.OPS) and args.dtypes == ["fp32", "bf16"] and args.backends == ["triton", "torch"]
+    assert args.ops == list(plan.OPS) and args.dtypes == ["fp32", "bf16"] and args.backends == ["triton", "torch"]
     assert (args.warmup, args.rep) == (5.0, 25.0)
+    # nothing assumes a checkout of this repository: the results go to the current directory, no reasons file
+    assert args.out == "multisoft-bench" and args.shortfalls is None
+
+
+def test_a_backend_selectable_only_by_name_is_never_timed(monkeypatch, capsys):
+    """A backend whose package sets AUTOMATIC = False (the float64 reference) is left out of the default set and,
+    named, is not timed either (with a note); the others are timed as named."""
+    import argparse
+    import types
+
+    import multisoft
+    from multisoft import _registry
+
+    package = types.ModuleType("multisoft_by_name_only")
+    package.NAME, package.AUTOMATIC = "by_name_only", False
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    monkeypatch.setitem(_registry._backends, "by_name_only", _registry.Backend("by_name_only", package.__name__))
+    monkeypatch.setattr(multisoft, "available_backends", lambda: ["torch", "by_name_only"])
+    backends, chosen, _ = run.choose_impls(argparse.Namespace(backends=None, no_peers=True))
+    assert backends == ["torch"] and [impl.name for impl in chosen] == ["torch", "torch inplace"]
+    backends, _, _ = run.choose_impls(argparse.Namespace(backends=["by_name_only", "torch"], no_peers=True))
+    assert backends == ["torch"]
+    assert "'by_name_only' is not timed" in capsys.readouterr().err
+    package.AUTOMATIC = True
+    assert run.choose_impls(argparse.Namespace(backends=None, no_peers=True))[0] == ["torch", "by_name_only"]
+
+
+def test_the_commit_measured_is_named():
+    commit = run.source_commit()
+    assert commit is None or re.fullmatch(r"[0-9a-f]{7,40}( \+ changes)?", commit), commit
 
 
 @pytest.mark.parametrize("op, factors", [
@@ -74,23 +107,23 @@ def test_arguments():
     ("cross_entropy", (1, 2, 3)),
 ])
 def test_bytes_moved(op, factors):
-    for direction, factor in zip(bench.DIRECTIONS, factors):
-        assert bench.bytes_moved(op, direction, 1000, 2) == factor * 1000 * 2
-    assert bench.bytes_moved(op, "forward", 16384 * 4096, 4) == factors[0] * 16384 * 4096 * 4
+    for direction, factor in zip(plan.DIRECTIONS, factors):
+        assert plan.bytes_moved(op, direction, 1000, 2) == factor * 1000 * 2
+    assert plan.bytes_moved(op, "forward", 16384 * 4096, 4) == factors[0] * 16384 * 4096 * 4
 
 
 def test_gb_per_s():
-    assert bench.gb_per_s(2_000_000_000, 1.0) == pytest.approx(2000.0)
+    assert plan.gb_per_s(2_000_000_000, 1.0) == pytest.approx(2000.0)
 
 
 def test_sweep_shapes_cover_256_to_1m_at_64m_elements():
-    shapes = bench.sweep_shapes(bench.SWEEP_COLS)
+    shapes = plan.sweep_shapes(plan.SWEEP_COLS)
     assert [n for _, n in shapes] == [2 ** k for k in range(8, 21)]
     assert all(64 << 20 <= m * n <= 128 << 20 for m, n in shapes)
 
 
 def test_dense_cases_measure_a_shared_shape_once():
-    cases = bench.dense_cases("softmax", bench.HEADLINE, bench.sweep_shapes(bench.SWEEP_COLS))
+    cases = plan.dense_cases("softmax", plan.HEADLINE, plan.sweep_shapes(plan.SWEEP_COLS))
     labels = [c.label for c in cases]
     assert len(labels) == len(set(labels))
     assert labels[:5] == ["32768x1024", "16384x4096", "4096x32768", "1024x131072", "512x262144"]
@@ -105,7 +138,7 @@ def test_dense_cases_measure_a_shared_shape_once():
 def test_layouts(block, density, causal):
     import torch
 
-    layout = bench.make_layout(block, density, causal, 4, 2048)
+    layout = plan.make_layout(block, density, causal, 4, 2048)
     blocks = 2048 // block
     assert layout.shape == (4, blocks, blocks)
     assert set(layout.unique().tolist()) <= {0, 1}
@@ -113,38 +146,38 @@ def test_layouts(block, density, causal):
     if causal:
         assert int(layout.triu(1).sum()) == 0
     assert abs(layout.float().mean().item() - density) < 0.1
-    assert torch.equal(layout, bench.make_layout(block, density, causal, 4, 2048))
+    assert torch.equal(layout, plan.make_layout(block, density, causal, 4, 2048))
 
 
 def test_blocksparse_cases_count_elements():
-    cases = bench.blocksparse_cases(bench.QUICK_LAYOUTS)
-    assert len(cases) == len(bench.QUICK_LAYOUTS)
+    cases = plan.blocksparse_cases(plan.QUICK_LAYOUTS)
+    assert len(cases) == len(plan.QUICK_LAYOUTS)
     for case in cases:
         z, nnz, block, _ = case.shape
         assert nnz == int(case.layout.sum()) and block == case.block
         assert case.elements == z * nnz * block * block
-        assert 1 <= z <= 4 and case.elements >= bench.SWEEP_ELEMENTS // 2
+        assert 1 <= z <= 4 and case.elements >= plan.SWEEP_ELEMENTS // 2
     assert "causal" in cases[1].label and "causal" not in cases[0].label
 
 
 def test_quick_plan_is_small():
-    plan = bench.plan_cases(list(bench.OPS), quick=True)
-    assert set(plan) == set(bench.OPS)
-    assert sum(len(cases) for cases in plan.values()) <= 16
+    cases = plan.plan_cases(list(plan.OPS), quick=True)
+    assert set(cases) == set(plan.OPS)
+    assert sum(len(op_cases) for op_cases in cases.values()) <= 16
 
 
 def _timing(op, impl, dtype, shape, direction, fraction, role="backend", group="headline", n=0, note=""):
     copy = 4000.0
     gbps = None if fraction is None else fraction * copy
     elements = 1 << 26
-    nbytes = bench.bytes_moved(op, direction, elements, bench.ELEMENT_SIZE[dtype])
+    nbytes = plan.bytes_moved(op, direction, elements, plan.ELEMENT_SIZE[dtype])
     ms = None if gbps is None else nbytes / (gbps * 1e6)
-    return bench.Timing(op, impl, role, dtype, group, shape, n, direction, ms, nbytes, gbps, fraction, note)
+    return records.Timing(op, impl, role, dtype, group, shape, n, direction, ms, nbytes, gbps, fraction, note)
 
 
 def _fake_results():
-    timings = [bench.Timing("copy", "torch", "copy", "-", "copy", "1024 MiB", 0, "copy", 0.5, 2 << 30, 4000.0, 1.0)]
-    for direction in bench.DIRECTIONS:
+    timings = [records.Timing("copy", "torch", "copy", "-", "copy", "1024 MiB", 0, "copy", 0.5, 2 << 30, 4000.0, 1.0)]
+    for direction in plan.DIRECTIONS:
         timings += [
             _timing("softmax", "triton", "bf16", "16384x4096", direction, 0.91),
             _timing("softmax", "cupy", "bf16", "16384x4096", direction, None, note="error: RuntimeError: boom"),
@@ -161,18 +194,18 @@ def _fake_results():
         liger_note = "Liger computes the gradient in its forward" if direction == "backward" else ""
         timings.append(_timing("cross_entropy", "liger", "fp32", "8192x32000", direction,
                                None if liger_note else 0.7, role="peer", note=liger_note))
-    results = bench.Results({"gpu": "Fake GPU", "timing": "fake"}, 4000.0, timings)
-    results.memory = [bench.MemoryRecord("triton", "fp32", "8192x32000", 1000.0, 1000.0),
-                      bench.MemoryRecord("triton inplace", "fp32", "8192x32000", 0.5, 1000.0),
-                      bench.MemoryRecord("numba", "fp32", "8192x32000", None, 1000.0, "error: ImportError: x")]
-    results.first_calls = [bench.FirstCall("triton", "softmax", "forward", "bf16", "16384x4096", 812.5, 0.07)]
-    results.overhead = [bench.Overhead("triton", 21.0, 6.5), bench.Overhead("cupy", None, None, "error: x")]
+    results = records.Results({"gpu": "Fake GPU", "timing": "fake"}, 4000.0, timings)
+    results.memory = [records.MemoryRecord("triton", "fp32", "8192x32000", 1000.0, 1000.0),
+                      records.MemoryRecord("triton inplace", "fp32", "8192x32000", 0.5, 1000.0),
+                      records.MemoryRecord("numba", "fp32", "8192x32000", None, 1000.0, "error: ImportError: x")]
+    results.first_calls = [records.FirstCall("triton", "softmax", "forward", "bf16", "16384x4096", 812.5, 0.07)]
+    results.overhead = [records.Overhead("triton", 21.0, 6.5), records.Overhead("cupy", None, None, "error: x")]
     return results
 
 
 def test_reports(tmp_path):
     results = _fake_results()
-    paths = bench.write_reports(results, tmp_path / "out")
+    paths = report.write_reports(results, tmp_path / "out")
     names = sorted(p.name for p in paths)
     assert names == ["environment.json", "first_calls.csv", "memory.csv", "overhead.csv", "results.md", "timings.csv"]
 
@@ -210,8 +243,8 @@ def test_reports(tmp_path):
 
 def test_targets_section_lists_the_cells_below_each_backends_target():
     forward = _timing("softmax", "triton", "bf16", "32768x1024", "forward", 0.894)     # 0.89: below
-    copy = bench.Timing("copy", "torch", "copy", "bf16", "headline", "32768x1024", 1024, "copy", 0.04,
-                        forward.bytes, 3480.0, 0.87)
+    copy = records.Timing("copy", "torch", "copy", "bf16", "headline", "32768x1024", 1024, "copy", 0.04,
+                          forward.bytes, 3480.0, 0.87)
     timings = [
         copy,
         forward,
@@ -224,10 +257,10 @@ def test_targets_section_lists_the_cells_below_each_backends_target():
         _timing("softmax", "numba", "bf16", "32768x1024", "forward", 0.80),
         _timing("softmax", "numba", "bf16", "32768x1024", "backward", 0.794),
         _timing("softmax", "torch-native", "bf16", "32768x1024", "forward", 0.3, role="peer"),
-        _timing("softmax", "torch", "bf16", "32768x1024", "forward", 0.1),             # the reference: no target
+        _timing("softmax", "torch", "bf16", "32768x1024", "forward", 0.1),             # PyTorch's ops: no target
         _timing("cross_entropy", "numba inplace", "fp32", "8192x32000", "forward+backward", 0.81),
     ]
-    text = "\n".join(bench._targets_section(timings))
+    text = "\n".join(report._targets_section(timings))
     assert "| triton | 0.90 | 5 | 4 | softmax forward 1, log_softmax backward 1, blocksparse_softmax backward 1, " \
            "cross_entropy forward+backward 1 |" in text
     assert "| numba | 0.80 | 2 | 1 | softmax backward 1 |" in text
@@ -239,13 +272,13 @@ def test_targets_section_lists_the_cells_below_each_backends_target():
     assert "| cross_entropy | forward+backward | 8192x32000 | fp32 | — | error: boom |" in text
     # numba's target is 0.80: the copy of these bytes (0.87) does not bound it
     assert "| softmax | backward | 32768x1024 | bf16 | 0.79 |  |" in text
-    assert bench._targets_section([copy]) == []
+    assert report._targets_section([copy]) == []
 
 
 def test_reports_read_back(tmp_path):
     results = _fake_results()
-    bench.write_reports(results, tmp_path)
-    again = bench.read_results(tmp_path)
+    report.write_reports(results, tmp_path)
+    again = records.read_results(tmp_path)
     assert again.environment == results.environment and again.copy_gb_per_s == results.copy_gb_per_s
     assert [(t.op, t.impl, t.dtype, t.shape, t.direction, t.note) for t in again.timings] == \
         [(t.op, t.impl, t.dtype, t.shape, t.direction, t.note) for t in results.timings]
@@ -256,88 +289,135 @@ def test_reports_read_back(tmp_path):
             assert getattr(read, name) == (None if value is None else pytest.approx(value, rel=1e-5))
     assert again.memory[2].peak_mib is None and again.memory[1].peak_mib == 0.5
     assert again.first_calls == results.first_calls and again.overhead == results.overhead
-    assert bench.markdown_report(again) == bench.markdown_report(results)
+    assert report.markdown_report(again) == report.markdown_report(results)
 
 
 def _write_shortfalls(path, rows):
-    path.write_text("# why cells fall short\n" + ",".join(bench.SHORTFALL_COLUMNS) + "\n"
+    path.write_text("# why cells fall short\n" + ",".join(records.SHORTFALL_COLUMNS) + "\n"
                     + "".join(",".join(row) + "\n" for row in rows))
     return path
 
 
 def test_shortfalls_give_each_cell_below_its_reason(tmp_path):
-    shortfalls = bench.load_shortfalls(_write_shortfalls(tmp_path / "s.csv", [
+    shortfalls = records.load_shortfalls(_write_shortfalls(tmp_path / "s.csv", [
         ("triton", "*softmax", "forward", "bf16", "*x512|*x1024", "short rows"),
         ("*", "blocksparse_softmax", "*", "*", "b16 *", "small blocks"),
         ("triton", "softmax", "forward", "*", "*", "never reached: the first row matches first"),
     ]))
     forward = _timing("softmax", "triton", "bf16", "32768x1024", "forward", 0.894)
-    copy = bench.Timing("copy", "torch", "copy", "bf16", "headline", "32768x1024", 1024, "copy", 0.04,
-                        forward.bytes, 3480.0, 0.87)
+    copy = records.Timing("copy", "torch", "copy", "bf16", "headline", "32768x1024", 1024, "copy", 0.04,
+                          forward.bytes, 3480.0, 0.87)
     timings = [copy, forward,
                _timing("log_softmax", "triton", "bf16", "32768x1024", "forward", 0.80),
                _timing("blocksparse_softmax", "numba", "fp32", "b16 25% Z1", "backward", 0.70, group="layout"),
                _timing("softmax", "triton", "fp32", "1024x131072", "backward", 0.85),
                _timing("softmax", "triton", "fp32", "1024x131072", "forward", None, note="error: boom")]
-    text = "\n".join(bench._targets_section(timings, shortfalls))
+    text = "\n".join(report._targets_section(timings, shortfalls))
     assert "| softmax | forward | 32768x1024 | bf16 | 0.89 | a copy of its bytes reaches 0.87; short rows |" in text
     assert "| log_softmax | forward | 32768x1024 | bf16 | 0.80 | a copy of its bytes reaches 0.87; short rows |" in text
     assert "| blocksparse_softmax | backward | b16 25% Z1 | fp32 | 0.70 | small blocks |" in text
-    assert f"| softmax | backward | 1024x131072 | fp32 | 0.85 | {bench.NO_REASON} |" in text
+    assert f"| softmax | backward | 1024x131072 | fp32 | 0.85 | {report.NO_REASON} |" in text
     assert "| softmax | forward | 1024x131072 | fp32 | — | error: boom |" in text
     assert "never reached" not in text
     assert "the note of each cell below" in text
     # without a shortfalls file the cells keep the run's own notes only
-    assert bench.NO_REASON not in "\n".join(bench._targets_section(timings))
+    assert report.NO_REASON not in "\n".join(report._targets_section(timings))
 
 
 def test_load_shortfalls_names_what_is_wrong(tmp_path):
-    assert bench.load_shortfalls(tmp_path / "none.csv") is None
+    with pytest.raises(FileNotFoundError):
+        records.load_shortfalls(tmp_path / "none.csv")
     (tmp_path / "columns.csv").write_text("impl,op,why\ntriton,softmax,x\n")
     with pytest.raises(ValueError, match="columns must be impl,op,direction,dtype,shape,why"):
-        bench.load_shortfalls(tmp_path / "columns.csv")
+        records.load_shortfalls(tmp_path / "columns.csv")
     short = _write_shortfalls(tmp_path / "short.csv", [("triton", "softmax", "forward", "bf16", "*", "")])
     with pytest.raises(ValueError, match="row 2 .* needs a value"):
-        bench.load_shortfalls(short)
+        records.load_shortfalls(short)
 
 
 def test_report_only_writes_results_md_again(tmp_path, capsys):
     out = tmp_path / "out"
     results = _fake_results()
     results.timings.append(_timing("softmax", "triton", "fp32", "1024x131072", "forward", 0.5))
-    bench.write_reports(results, out)
+    report.write_reports(results, out)
     shortfalls = _write_shortfalls(tmp_path / "s.csv", [("triton", "softmax", "*", "*", "*x131072", "long rows")])
     assert "long rows" not in (out / "results.md").read_text()
     timings_csv = (out / "timings.csv").read_text()
     assert bench.main(["--report-only", "--no-plots", "--out", str(out), "--shortfalls", str(shortfalls)]) == 0
     assert (out / "timings.csv").read_text() == timings_csv
     assert "| softmax | forward | 1024x131072 | fp32 | 0.50 | long rows |" in (out / "results.md").read_text()
-    (out / bench.ENVIRONMENT_FILE).unlink()
+    (out / records.ENVIRONMENT_FILE).unlink()
     assert bench.main(["--report-only", "--no-plots", "--out", str(out)]) == 2
     assert "environment.json not found" in capsys.readouterr().err
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+SHORTFALLS = ROOT / "benchmarks" / "shortfalls.csv"
+TUNING = ROOT / "docs" / "tuning.md"
+# A shortfall reason ends by citing where it was measured: a section of docs/tuning.md and the commits.
+CITATION = re.compile(r"\((docs/tuning\.md#[a-z0-9-]+)((?:, [0-9a-f]{7,40})+)\)$")
+
+
 def test_the_committed_results_give_a_reason_for_every_cell_below_its_target():
-    """The issues ask for the cells that fall short to stay in the results with the reason found: every cell of
-    benchmarks/results/ below its target takes its reason from a row of benchmarks/shortfalls.csv (the first that
-    matches it), and every row is that for some cell (none stale or shadowed)."""
-    shortfalls = bench.load_shortfalls(ROOT / bench.SHORTFALLS)
-    results = bench.read_results(ROOT / "benchmarks" / "results")
-    below = [t for _, _, cells in bench.against_targets(results.timings).values() for t in cells if not t.note]
-    assert below
-    first = [bench.first_shortfall(shortfalls, t) for t in below]
+    """Every cell of benchmarks/results/ below its target takes its reason from a row of benchmarks/shortfalls.csv
+    (the first that matches it), every row is that for some cell (none stale or shadowed), and results.md is what
+    the report makes of the two."""
+    shortfalls = records.load_shortfalls(SHORTFALLS)
+    results = records.read_results(RESULTS)
+    below = [t for _, _, cells in report.against_targets(results.timings).values() for t in cells if not t.note]
+    first = [records.first_shortfall(shortfalls, t) for t in below]
     assert [(t.impl, t.op, t.direction, t.dtype, t.shape) for t, s in zip(below, first) if s is None] == []
     assert [s for s in shortfalls if s not in first] == []
-    named = {name for s in shortfalls for name in re.findall(r"[\w*.-]+\.txt", s.why)}
-    assert named and [name for name in named if not list((ROOT / "benchmarks/results/tuning").glob(name))] == []
-    assert (ROOT / "benchmarks" / "results" / "results.md").read_text() == bench.markdown_report(results, shortfalls)
+    assert (RESULTS / "results.md").read_text() == report.markdown_report(results, shortfalls)
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown text."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def _not_in_history(hashes) -> list[str] | None:
+    """The hashes that name no commit of this repository; None when git or the full history is not here."""
+    try:
+        shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                                 capture_output=True, text=True, timeout=30)
+        if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+            return None
+        found = subprocess.run(["git", "-C", str(ROOT), "cat-file", "--batch-check"], capture_output=True, text=True,
+                               input="".join(f"{h}^{{commit}}\n" for h in hashes), timeout=30)
+    except OSError:
+        return None
+    # a commit's line is "<full hash> commit <size>"; anything else ("<hash> missing", "ambiguous") is not one
+    return [h for h, line in zip(hashes, found.stdout.splitlines()) if line.split()[1:2] != ["commit"]]
+
+
+def test_shortfall_reasons_cite_a_section_of_docs_tuning_and_commits():
+    anchors = _anchors(TUNING.read_text())
+    for shortfall in records.load_shortfalls(SHORTFALLS):
+        cited = CITATION.search(shortfall.why)
+        assert cited, f"{shortfall.why!r} does not end with (docs/tuning.md#section, commit, ...)"
+        assert cited.group(1).split("#")[1] in anchors, cited.group(1)
+    assert _anchors("## Triton: softmax\n### CuPy, block-sparse (staged)\n") == {
+        "triton-softmax", "cupy-block-sparse-staged"}
+
+
+def test_the_cited_commits_are_in_the_history():
+    hashes = re.findall(r"`([0-9a-f]{7,12})`", TUNING.read_text())
+    for shortfall in records.load_shortfalls(SHORTFALLS):
+        hashes += CITATION.search(shortfall.why).group(2).strip(", ").split(", ")
+    assert len(hashes) > 20
+    missing = _not_in_history(sorted(set(hashes)) + ["0000000"])
+    if missing is None:
+        pytest.skip("no git history here (a shallow clone, or no git)")
+    assert missing == ["0000000"]  # a hash that names nothing is reported
 
 
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
-    from multisoft import _plots
+    from multisoft.bench import plots
 
-    paths = _plots.write_plots(_fake_results(), tmp_path)
+    paths = plots.write_plots(_fake_results(), tmp_path)
     assert sorted(p.name for p in paths) == ["fraction_of_copy.png", "sweep_softmax.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -380,13 +460,14 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
 
     from multisoft import _registry
 
-    for name, value in {"DEVICE": "cpu", "COPY_BYTES": 1 << 20, "QUICK_HEADLINE": [(8, 64)],
+    for name, value in {"COPY_BYTES": 1 << 20, "QUICK_HEADLINE": [(8, 64)],
                         "QUICK_SWEEP_COLS": [32, 64, 128], "SWEEP_ELEMENTS": 512,
                         "QUICK_CROSS_ENTROPY": [(8, 100)], "QUICK_LAYOUTS": [(16, 0.5, False), (16, 0.5, True)],
                         "HEADS": 2, "SEQ": 64}.items():
-        monkeypatch.setattr(bench, name, value)
-    monkeypatch.setattr(bench, "make_timer", lambda warmup, rep, kind: (_wall_ms, "wall clock (test)"))
-    monkeypatch.setattr(bench, "liger_peer", lambda: (None, "hidden by the test"))  # its kernels need a GPU
+        monkeypatch.setattr(plan, name, value)
+    monkeypatch.setattr(run, "DEVICE", "cpu")
+    monkeypatch.setattr(timing, "make_timer", lambda warmup, rep, kind: (_wall_ms, "wall clock (test)"))
+    monkeypatch.setattr(impls, "liger_peer", lambda: (None, "hidden by the test"))  # its kernels need a GPU
     properties = types.SimpleNamespace(name="CPU", major=0, minor=0, total_memory=1 << 30)
     for name, value in {"is_available": lambda: True, "synchronize": lambda: None, "empty_cache": lambda: None,
                         "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 0,
@@ -447,166 +528,4 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
         assert f"## {op}" in text
     assert "kernel exploded" in text
     assert "## copy of each headline shape's bytes" in text and "| 8x100 | bf16 |" in text
-
-
-class _Timeline:
-    """A host and one CUDA stream in simulated milliseconds, for queued_bench without a GPU: each launch costs the
-    host LAUNCH and reaches the stream LATENCY later; the stream runs what it gets in order; events stamp the stream's
-    time; synchronize waits for the stream; torch.cuda._sleep runs `cycles / cycles_per_ms`."""
-
-    LAUNCH, LATENCY = 0.004, 0.01
-
-    def __init__(self, cycles_per_ms):
-        self.host = self.gpu = 0.0
-        self.cycles_per_ms = cycles_per_ms
-
-    def launch(self, ms):
-        self.host += self.LAUNCH
-        self.gpu = max(self.gpu, self.host + self.LATENCY) + ms
-
-    def synchronize(self):
-        self.host = max(self.host, self.gpu)
-
-    def event(self, enable_timing=True):
-        line = self
-
-        class Event:
-            def record(self):
-                line.launch(0.0)
-                self.at = line.gpu
-
-            def elapsed_time(self, other):
-                return other.at - self.at
-
-        return Event()
-
-    def patch(self, monkeypatch):
-        import types
-
-        import torch
-
-        class Flush:
-            def zero_(_):
-                self.launch(0.02)
-
-        monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: Flush())
-        monkeypatch.setattr(torch.cuda, "Event", self.event)
-        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
-        monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: self.launch(cycles / self.cycles_per_ms))
-        monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: self.host / 1e3))
-        monkeypatch.setattr(bench, "_sleep_cycles_per_ms", [])
-
-
-@pytest.mark.parametrize("filtered", [True, False])
-def test_queued_bench_leaves_out_calls_that_timed_the_host(monkeypatch, filtered):
-    """A call costing the host 0.5 ms and the GPU 0.24, with the sleep calibrated at an eighth of the clock it then
-    runs at (as on a GPU calibrated while it idled: every hold an eighth as long as meant): most calls of a batch
-    begin on the GPU before the host has queued them and time the host. queued_bench leaves those out, holds longer
-    and gives the GPU's time; without that (filtered=False: no doubling allowed) the median is the host's, which
-    shows that the test tells the two apart."""
-    line = _Timeline(cycles_per_ms=1000.0)
-    line.patch(monkeypatch)
-    bench._hold_gpu(1.0)          # calibrates the sleep
-    line.synchronize()
-    line.cycles_per_ms *= 8       # the GPU clocks up: every hold runs an eighth as long
-
-    def call():
-        line.host += 0.5 - line.LAUNCH
-        line.launch(0.24)
-
-    if not filtered:
-        monkeypatch.setattr(bench, "HOLD_MARGIN_MAX", 0.0)
-    ms = bench.queued_bench(call, warmup=5.0, rep=25.0)
-    if filtered:
-        assert ms == pytest.approx(0.24 + line.LAUNCH, abs=0.01)
-    else:
-        assert ms > 0.4
-
-
-def test_queued_bench_ends_for_a_call_that_synchronises(monkeypatch):
-    """Every call of one that synchronises inside times the host, and the host waits out every hold: the times are
-    kept as they are from the first batch on, and no hold grows (on the H200, with the doubling holds, torch's
-    cross-entropy at 8192 x 128256 took a minute a cell; a call waiting on the GPU is the inferred cause)."""
-    line = _Timeline(cycles_per_ms=1000.0)
-    line.patch(monkeypatch)
-    holds = []
-    hold = bench._hold_gpu
-    monkeypatch.setattr(bench, "_hold_gpu", lambda ms: (holds.append(ms), hold(ms)))
-
-    def call():
-        line.launch(0.1)
-        line.synchronize()
-        line.host += 0.3
-
-    assert bench.queued_bench(call, warmup=5.0, rep=25.0) > 0.3
-    batches = holds[2:]   # after the calibration's and the first estimate's
-    assert batches and max(batches) <= batches[0] * (1 + 1e-9)
-
-
-def test_triton_resources_compiles_for_sm90_without_a_gpu():
-    """benchmarks/tune/triton_resources.py: every configuration compiles with triton's own ptxas and
-    cuobjdump, no GPU, no interpreter (a kernel whose signature changed fails here)."""
-    triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-        pytest.skip("this triton ships no cuobjdump")
-    env = _without_cuda_env()
-    env.pop("TRITON_INTERPRET", None)
-    tool = "benchmarks/tune/triton_resources.py"
-    done = subprocess.run([sys.executable, tool], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert done.returncode == 0, done.stderr
-    rows = {line.split()[0]: line for line in done.stdout.splitlines()[2:]}
-    assert {"softmax-fwd-split-bf16-4096", "cross_entropy-fwd-loop-fp32", "blocksparse-bwd-b64x16-bf16"} <= set(rows)
-    _, warps, regs, spills, programs = rows["softmax-fwd-tile-fp32-1024"].split()[:5]
-    assert int(warps) == 4 and 0 < int(regs) <= 255 and spills == "0/0" and 1 <= int(programs) <= 16
-    # the split forward's register cap (SPLIT_FORWARD_MAXNREG) is compiled in
-    from multisoft_triton.softmax import SPLIT_FORWARD_MAXNREG
-
-    assert int(rows["softmax-fwd-split-fp32-4096"].split()[2]) <= SPLIT_FORWARD_MAXNREG[4]
-    # 16-byte accesses: the launcher's alignment of pointers and row lengths is modelled
-    assert "LDG.E.128" in rows["softmax-fwd-tile-fp32-1024"] and "STG.E.128" in rows["softmax-fwd-tile-fp32-1024"]
-    refused = subprocess.run([sys.executable, tool], capture_output=True, text=True,
-                             env=dict(env, TRITON_INTERPRET="1"), cwd=ROOT, timeout=300)
-    assert refused.returncode == 2 and "TRITON_INTERPRET" in refused.stderr
-
-
-def test_tune_variants_are_undone_and_unknown_settings_named(monkeypatch):
-    """benchmarks/tune/tune.py: a variant's assignments are undone before the next one, and a variant that
-    sets a constant its module does not have (misspelt or renamed) is named instead of timing the defaults."""
-    import importlib.util
-    import types
-
-    spec = importlib.util.spec_from_file_location("tune_tool", ROOT / "benchmarks" / "tune" / "tune.py")
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
-    module = types.ModuleType("fake_backend_settings")
-    module.CHUNK = 4096
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    undo = tune.Undo([module.__name__])
-    exec("import fake_backend_settings as s; s.CHUNK = 8192", {})
-    assert module.CHUNK == 8192 and undo.added() == []
-    exec("import fake_backend_settings as s; s.CHUNKS = 8192", {})
-    assert undo.added() == ["fake_backend_settings.CHUNKS"]
-    undo.restore()
-    assert module.CHUNK == 4096 and not hasattr(module, "CHUNKS") and undo.added() == []
-
-
-def test_tune_scripts_set_only_settings_that_exist(monkeypatch):
-    """Every `alias.SETTING = ...` in benchmarks/tune/*.sh names a constant of the module imported as
-    `alias` (a renamed constant would leave its variant timing the defaults; tune.py now stops there too)."""
-    import importlib
-    import re
-    import types
-
-    if importlib.util.find_spec("cupy") is None:  # the CuPy modules import cupy but need it only to launch
-        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    monkeypatch.syspath_prepend(str(ROOT / "backends"))
-    checked = 0
-    for script in sorted((ROOT / "benchmarks" / "tune").glob("*.sh")):
-        text = script.read_text()
-        # "import a as x" and "import a as x, b as y"
-        aliases = {alias: module for module, alias in re.findall(r"\b(multisoft_[\w.]+) as (\w+)", text)}
-        for alias, name in sorted(set(re.findall(r"\b(\w+)\.([A-Z][A-Z0-9_]*) =", text))):
-            assert alias in aliases, f"{script.name}: {alias}.{name} without an import of {alias}"
-            assert hasattr(importlib.import_module(aliases[alias]), name), f"{script.name}: {aliases[alias]}.{name}"
-            checked += 1
-    assert checked > 30
+    assert "- commit: " in text

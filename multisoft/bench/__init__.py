@@ -1,0 +1,20 @@
+"""``multisoft bench``: every op on every backend, against the copy bandwidth.
+
+Times forward, backward and forward+backward of softmax, log_softmax,
+cross_entropy and blocksparse_softmax on each backend that can run here (those
+selectable only by name, such as a float64 reference, are not timed), next to
+torch's own ops and Liger-Kernel's (when importable), with CUDA events (median,
+L2 cleared between repetitions). Each result is given in GB/s and as a fraction
+of a device-to-device copy measured in the same run. Also: peak memory of
+cross-entropy forward+backward, the first (compiling) call of each backend, and
+the host overhead of the front. Writes CSV files, ``results.md`` and PNG plots.
+
+Modules: ``plan`` (ops, shapes, layouts, bytes), ``timing`` (the timers),
+``impls`` (what is compared), ``run`` (one run), ``records`` (the CSV and JSON
+files), ``report`` (results.md, the targets), ``plots``, ``command`` (the
+command line).
+"""
+
+from .command import NO_GPU_MESSAGE, main
+
+__all__ = ["NO_GPU_MESSAGE", "main"]

@@ -1,0 +1,127 @@
+"""What the benchmark measures: the ops, dtypes and shapes, the block-sparse layouts, and the bytes each op moves."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+OPS = ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax")
+OP_ALIASES = {"blocksparse": "blocksparse_softmax", "ce": "cross_entropy"}
+KERNEL_MODULE = {"softmax": "softmax", "log_softmax": "softmax", "cross_entropy": "cross_entropy",
+                 "blocksparse_softmax": "blocksparse"}
+DIRECTIONS = ("forward", "backward", "forward+backward")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+ELEMENT_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Bytes moved per input element: softmax reads x and writes y (2), its backward reads y, dy and
+# writes dx (3); cross-entropy reads the logits (1), its backward reads them and writes the gradient (2).
+TRAFFIC = {
+    "softmax": {"forward": 2, "backward": 3, "forward+backward": 5},
+    "log_softmax": {"forward": 2, "backward": 3, "forward+backward": 5},
+    "blocksparse_softmax": {"forward": 2, "backward": 3, "forward+backward": 5},
+    "cross_entropy": {"forward": 1, "backward": 2, "forward+backward": 3},
+}
+
+HEADLINE = [(32768, 1024), (16384, 4096), (4096, 32768), (1024, 131072), (512, 262144)]
+CROSS_ENTROPY = [(8192, 32000), (8192, 128256), (4096, 262144)]
+SWEEP_ELEMENTS = 1 << 26
+SWEEP_COLS = [1 << k for k in range(8, 21)]
+HEADS, SEQ, SCALE = 16, 4096, 0.125
+LAYOUTS = ([(block, 0.25, causal) for block in (16, 32, 64, 128) for causal in (False, True)]
+           + [(64, density, causal) for density in (0.10, 0.50) for causal in (False, True)])
+
+QUICK_HEADLINE = [(16384, 4096), (1024, 131072)]
+QUICK_SWEEP_COLS = [1024, 32768, 1 << 20]
+QUICK_CROSS_ENTROPY = [(8192, 32000)]
+QUICK_LAYOUTS = [(64, 0.25, False), (64, 0.25, True)]
+
+COPY_BYTES = 1 << 30  # the long copy every result is a fraction of: 1 GiB read, 1 GiB written
+
+
+@dataclasses.dataclass
+class Case:
+    """One input of one op: a dense (M, N) shape or a block-sparse layout."""
+
+    op: str
+    group: str  # "headline", "sweep", "headline,sweep" or "layout"
+    label: str
+    shape: tuple
+    elements: int
+    n: int = 0
+    layout: object = None  # block-sparse: the (H, Mb, Nb) layout tensor
+    block: int = 0
+    causal: bool = False
+
+
+def bytes_moved(op: str, direction: str, elements: int, element_size: int) -> int:
+    """The bytes an op must read and write for ``elements`` input elements (see TRAFFIC)."""
+    return TRAFFIC[op][direction] * elements * element_size
+
+
+def gb_per_s(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e6)
+
+
+def sweep_shapes(cols: list[int]) -> list[tuple[int, int]]:
+    """(M, N) for each N with M * N = SWEEP_ELEMENTS (64M elements)."""
+    return [(max(1, SWEEP_ELEMENTS // n), n) for n in cols]
+
+
+def dense_cases(op: str, headline: list, sweep: list) -> list[Case]:
+    """The headline shapes, then the sweep's other shapes; a shape in both is measured once."""
+    cases = []
+    for rows, cols in dict.fromkeys(headline + sweep):
+        group = ",".join(name for name, shapes in (("headline", headline), ("sweep", sweep))
+                         if (rows, cols) in shapes)
+        cases.append(Case(op, group, f"{rows}x{cols}", (rows, cols), rows * cols, n=cols))
+    return cases
+
+
+def make_layout(block: int, density: float, causal: bool, heads: int, seq: int, seed: int = 0):
+    """A random 0/1 layout (heads, seq/block, seq/block) of about ``density`` of all blocks, diagonal kept.
+
+    A causal layout draws its blocks from the lower triangle only, so that it
+    also keeps about ``density`` of the full grid.
+    """
+    import torch
+
+    blocks = seq // block
+    generator = torch.Generator().manual_seed(seed)
+    chance = min(1.0, 2 * density) if causal else density
+    layout = torch.rand(heads, blocks, blocks, generator=generator) < chance
+    layout |= torch.eye(blocks, dtype=torch.bool)
+    if causal:
+        layout &= torch.ones(blocks, blocks, dtype=torch.bool).tril()
+    return layout.to(torch.int64)
+
+
+def blocksparse_cases(layouts: list) -> list[Case]:
+    """One case per (block, density, causal), with Z (1..4) chosen for 64M+ elements."""
+    cases = []
+    for seed, (block, density, causal) in enumerate(layouts):
+        layout = make_layout(block, density, causal, HEADS, SEQ, seed=seed)
+        nnz = int(layout.sum())
+        per_batch = nnz * block * block
+        batch = max(1, min(4, math.ceil(SWEEP_ELEMENTS / per_batch)))
+        actual = nnz / layout.numel()
+        label = f"b{block} {actual:.0%}{' causal' if causal else ''} Z{batch}"
+        cases.append(Case("blocksparse_softmax", "layout", label, (batch, nnz, block, block), batch * per_batch,
+                          layout=layout, block=block, causal=causal))
+    return cases
+
+
+def plan_cases(ops: list[str], quick: bool) -> dict[str, list[Case]]:
+    """The cases of each op: every shape and layout above, or with ``quick`` the QUICK_ ones."""
+    headline = QUICK_HEADLINE if quick else HEADLINE
+    sweep = sweep_shapes(QUICK_SWEEP_COLS if quick else SWEEP_COLS)
+    plan = {}
+    for op in ops:
+        if op in ("softmax", "log_softmax"):
+            plan[op] = dense_cases(op, headline, sweep)
+        elif op == "cross_entropy":
+            shapes = QUICK_CROSS_ENTROPY if quick else CROSS_ENTROPY
+            plan[op] = dense_cases(op, shapes, [])
+        else:
+            plan[op] = blocksparse_cases(QUICK_LAYOUTS if quick else LAYOUTS)
+    return plan

@@ -1,0 +1,199 @@
+"""What a run records (timings, peak memory, first calls, host overhead, its environment), the reasons given for
+cells below their target, and the CSV and JSON files they are written to and read back from."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import fnmatch
+import json
+from pathlib import Path
+from typing import get_type_hints
+
+ENVIRONMENT_FILE = "environment.json"
+COPY_AT_END = "copy bandwidth at the end"  # an environment entry: the long copy measured again after the run
+
+
+@dataclasses.dataclass
+class Timing:
+    op: str
+    impl: str
+    role: str  # "backend", "peer" or "copy"
+    dtype: str
+    group: str  # "headline", "sweep", "headline,sweep" or "layout"
+    shape: str
+    n: int  # row length, for the sweep plots (0 for block-sparse)
+    direction: str
+    ms: float | None = None
+    bytes: int = 0
+    gb_per_s: float | None = None
+    fraction_of_copy: float | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass
+class MemoryRecord:
+    impl: str
+    dtype: str
+    shape: str
+    peak_mib: float | None
+    logits_mib: float
+    note: str = ""
+
+
+@dataclasses.dataclass
+class FirstCall:
+    impl: str
+    op: str
+    direction: str
+    dtype: str
+    shape: str
+    first_call_ms: float
+    steady_ms: float | None = None
+
+
+@dataclasses.dataclass
+class Overhead:
+    impl: str
+    api_us: float | None
+    direct_us: float | None
+    note: str = ""
+
+    @property
+    def difference_us(self) -> float | None:
+        if self.api_us is None or self.direct_us is None:
+            return None
+        return self.api_us - self.direct_us
+
+
+@dataclasses.dataclass
+class Results:
+    environment: dict
+    copy_gb_per_s: float | None
+    timings: list[Timing] = dataclasses.field(default_factory=list)
+    memory: list[MemoryRecord] = dataclasses.field(default_factory=list)
+    first_calls: list[FirstCall] = dataclasses.field(default_factory=list)
+    overhead: list[Overhead] = dataclasses.field(default_factory=list)
+
+
+def describe_error(error: BaseException) -> str:
+    """The note a cell gets when its call raised: "error: " and the exception's first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return "error: " + text[:240]
+
+
+# -- why cells fall short of their target
+
+
+@dataclasses.dataclass
+class Shortfall:
+    """Why the cells that match these patterns (fnmatch, "|" between alternatives, on Timing's fields) fall short
+    of their target."""
+
+    impl: str
+    op: str
+    direction: str
+    dtype: str
+    shape: str
+    why: str
+
+    def matches(self, timing: Timing) -> bool:
+        return all(any(fnmatch.fnmatchcase(getattr(timing, name), pattern)
+                       for pattern in getattr(self, name).split("|")) for name in SHORTFALL_COLUMNS[:-1])
+
+
+SHORTFALL_COLUMNS = tuple(field.name for field in dataclasses.fields(Shortfall))  # a shortfalls CSV's header
+
+
+def first_shortfall(shortfalls: list[Shortfall], timing: Timing) -> Shortfall | None:
+    """The shortfall that gives ``timing`` its reason: the first that matches it."""
+    return next((s for s in shortfalls if s.matches(timing)), None)
+
+
+def load_shortfalls(path: Path) -> list[Shortfall]:
+    """The rows of a shortfalls CSV (SHORTFALL_COLUMNS; lines starting with # are comments)."""
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(row for row in handle if not row.startswith("#"))
+        if tuple(reader.fieldnames or ()) != SHORTFALL_COLUMNS:
+            raise ValueError(f"{path}: the columns must be {','.join(SHORTFALL_COLUMNS)}, got "
+                             f"{','.join(reader.fieldnames or ())}")
+        rows = list(reader)
+    for number, row in enumerate(rows, start=2):
+        if None in row or any(not row[name] for name in SHORTFALL_COLUMNS):
+            raise ValueError(f"{path}: row {number} (comments not counted) needs a value in each of "
+                             f"{', '.join(SHORTFALL_COLUMNS)}")
+    return [Shortfall(**row) for row in rows]
+
+
+# -- files
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
+    """Every dataclass field (plus the ``extra`` properties) of ``rows`` as CSV columns."""
+    extra = extra or {}
+    names = [field.name for field in dataclasses.fields(rows[0])] if rows else []
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(names + list(extra))
+        for row in rows:
+            writer.writerow([_cell(getattr(row, name)) for name in names]
+                            + [_cell(getter(row)) for getter in extra.values()])
+    return path
+
+
+def write_records(results: Results, out: Path) -> list[Path]:
+    """timings.csv, environment.json and, where there are such records, memory.csv, first_calls.csv and
+    overhead.csv in ``out``; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [write_csv(out / "timings.csv", results.timings)]
+    environment_path = out / ENVIRONMENT_FILE
+    environment_path.write_text(json.dumps({"environment": results.environment,
+                                            "copy_gb_per_s": results.copy_gb_per_s}, indent=1) + "\n")
+    paths.append(environment_path)
+    if results.memory:
+        paths.append(write_csv(out / "memory.csv", results.memory))
+    if results.first_calls:
+        paths.append(write_csv(out / "first_calls.csv", results.first_calls))
+    if results.overhead:
+        paths.append(write_csv(out / "overhead.csv", results.overhead,
+                               {"difference_us": lambda row: row.difference_us}))
+    return paths
+
+
+def _read_csv(path: Path, record: type) -> list:
+    """The rows of a CSV written by write_csv as ``record`` dataclasses (columns it lacks are ignored)."""
+    hints = get_type_hints(record)
+    fields = [field.name for field in dataclasses.fields(record)]
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+
+    def value(name, text):
+        kind = hints[name]
+        if text == "" and kind != str:
+            return None
+        return int(text) if kind is int else float(text) if kind in (float, float | None) else text
+
+    return [record(**{name: value(name, row[name]) for name in fields if name in row}) for row in rows]
+
+
+def read_results(out: Path) -> Results:
+    """The Results that write_records wrote to ``out``."""
+    environment_path = out / ENVIRONMENT_FILE
+    if not environment_path.exists():
+        raise ValueError(f"{environment_path} not found: --report-only needs a folder written by a run that "
+                         f"saves it")
+    saved = json.loads(environment_path.read_text())
+    results = Results(saved["environment"], saved["copy_gb_per_s"], _read_csv(out / "timings.csv", Timing))
+    for name, record in (("memory", MemoryRecord), ("first_calls", FirstCall), ("overhead", Overhead)):
+        if (out / f"{name}.csv").exists():
+            setattr(results, name, _read_csv(out / f"{name}.csv", record))
+    return results

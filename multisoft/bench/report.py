@@ -1,0 +1,257 @@
+"""results.md: the environment, the cells below each backend's speed target with why, one table per op and
+direction (fractions of the copy bandwidth), then peak memory, first calls, copies of each shape's bytes and the
+host overhead."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+from . import plan
+from .records import COPY_AT_END, Results, Shortfall, Timing, first_shortfall, write_records
+
+# The backends' speed targets, as a fraction of the copy bandwidth: this many for these backends (None: no target;
+# the torch backend is PyTorch's own ops), DEFAULT_TARGET for any other, over the directions of each op that
+# TARGET_DIRECTIONS names, on the headline shapes, the cross-entropy shapes and the block-sparse layouts.
+TARGETS = {"numba": 0.80, "torch": None}
+DEFAULT_TARGET = 0.90
+TARGET_DIRECTIONS = {"softmax": ("forward", "backward"), "log_softmax": ("forward", "backward"),
+                     "cross_entropy": ("forward+backward",), "blocksparse_softmax": ("forward", "backward")}
+NO_REASON = "no reason on record"
+
+
+def write_markdown(results: Results, out: Path, shortfalls: list[Shortfall] | None = None) -> Path:
+    markdown = out / "results.md"
+    markdown.write_text(markdown_report(results, shortfalls))
+    return markdown
+
+
+def write_reports(results: Results, out: Path, shortfalls: list[Shortfall] | None = None) -> list[Path]:
+    """The records (CSV, environment.json) and results.md in ``out``; the paths written."""
+    return write_records(results, out) + [write_markdown(results, out, shortfalls)]
+
+
+def as_shown(fraction: float) -> float:
+    """A fraction of copy as the tables show it: two decimals."""
+    return float(f"{fraction:.2f}")
+
+
+def impl_order(timings: list[Timing]) -> list[str]:
+    """Backends first, then peers, each in the order they were run."""
+    backends = [t.impl for t in timings if t.role == "backend"]
+    peers = [t.impl for t in timings if t.role == "peer"]
+    return list(dict.fromkeys(backends + peers))
+
+
+def _fraction_cell(record: Timing | None, best: float | None) -> str:
+    if record is None or (record.ms is None and not record.note.startswith("error")):
+        return "—"
+    if record.ms is None:
+        return "error"
+    if record.fraction_of_copy is None:
+        return f"{record.gb_per_s:.0f} GB/s"
+    text = f"{record.fraction_of_copy:.2f}"
+    return f"**{text}**" if best is not None and record.fraction_of_copy == best else text
+
+
+def fraction_table(timings: list[Timing], direction: str) -> list[str]:
+    """Markdown rows: one per (shape, dtype), one column per impl, cells the fraction of copy."""
+    rows = [t for t in timings if t.direction == direction]
+    if not rows:
+        return []
+    impls = impl_order(rows)
+    keys = list(dict.fromkeys((t.shape, t.dtype) for t in rows))
+    by_key = {(t.shape, t.dtype, t.impl): t for t in rows}
+    lines = ["| shape | dtype | " + " | ".join(impls) + " |", "|---|---|" + "---:|" * len(impls)]
+    for shape, dtype in keys:
+        cells = [by_key.get((shape, dtype, impl)) for impl in impls]
+        fractions = [c.fraction_of_copy for c in cells if c is not None and c.fraction_of_copy is not None]
+        best = max(fractions) if len(fractions) > 1 else None
+        lines.append(f"| {shape} | {dtype} | " + " | ".join(_fraction_cell(c, best) for c in cells) + " |")
+    return lines
+
+
+def _op_section(op: str, timings: list[Timing]) -> list[str]:
+    lines = [f"## {op}", ""]
+    main = [t for t in timings if t.group != "sweep"]
+    dtypes = list(dict.fromkeys(t.dtype for t in timings))
+    sweep = sorted((t for t in timings if "sweep" in t.group), key=lambda t: (dtypes.index(t.dtype), t.n))
+    for direction in ("forward+backward", "forward", "backward"):
+        table = fraction_table(main, direction)
+        if table:
+            lines += [f"**{direction}**", ""] + table + [""]
+    if sweep:
+        lines += [f"<details><summary>sweep over N (M·N = {plan.SWEEP_ELEMENTS >> 20}M elements)</summary>", ""]
+        for direction in ("forward+backward", "forward", "backward"):
+            table = fraction_table(sweep, direction)
+            if table:
+                lines += [f"**{direction}**", ""] + table + [""]
+        lines += ["</details>", ""]
+    problems = _problems(timings)
+    if problems:
+        lines += ["Errors (`error`) and cells not timed (`—`):", ""] + problems + [""]
+    return lines
+
+
+def _problems(timings: list[Timing]) -> list[str]:
+    """One line per (impl, note): the note, its first cell and how many more share it; errors first."""
+    cells: dict[tuple, list[str]] = {}
+    for t in timings:
+        if t.note:
+            cells.setdefault((t.impl, t.note), []).append(f"{t.dtype} {t.shape} {t.direction}")
+    ordered = sorted(cells.items(), key=lambda item: not item[0][1].startswith("error"))
+    return [f"- {impl}: {note} ({where[0]}{f' and {len(where) - 1} more' if len(where) > 1 else ''})"
+            for (impl, note), where in ordered]
+
+
+def target_of(impl: str) -> float | None:
+    """The speed target of a backend, or of its variant ("numba inplace": numba's)."""
+    return TARGETS.get(impl.split()[0], DEFAULT_TARGET)
+
+
+def _shortfall_note(timing: Timing, target: float, copy_bound: float | None,
+                    shortfalls: list[Shortfall] | None) -> str:
+    """A below-target cell's note: the run's own (an error), a copy of its bytes that stays under the target
+    too, and the first matching shortfall's reason (NO_REASON when shortfalls are given and none matches)."""
+    notes = [timing.note]
+    if copy_bound is not None and as_shown(copy_bound) < target:
+        notes.append(f"a copy of its bytes reaches {copy_bound:.2f}")
+    if shortfalls is not None and not timing.note:
+        found = first_shortfall(shortfalls, timing)
+        notes.append(found.why if found else NO_REASON)
+    return "; ".join(note for note in notes if note)
+
+
+def against_targets(timings: list[Timing]) -> dict[str, tuple[float, list[Timing], list[Timing]]]:
+    """Per backend (or variant) with a target: (target, the cells held to it, those below it as the tables show
+    them)."""
+    held = [t for t in timings if t.role == "backend" and target_of(t.impl) is not None
+            and t.direction in TARGET_DIRECTIONS.get(t.op, ()) and ("headline" in t.group or t.group == "layout")]
+    verdicts = {}
+    for impl in dict.fromkeys(t.impl for t in held):
+        cells = [t for t in held if t.impl == impl]
+        target = target_of(impl)
+        below = [t for t in cells if t.fraction_of_copy is None or as_shown(t.fraction_of_copy) < target]
+        verdicts[impl] = target, cells, below
+    return verdicts
+
+
+def _targets_section(timings: list[Timing], shortfalls: list[Shortfall] | None = None) -> list[str]:
+    """Per backend with a target: how many cells it is held to and falls below, then those cells, each with why
+    (_shortfall_note)."""
+    verdicts = against_targets(timings)
+    if not verdicts:
+        return []
+    copies = {(t.shape, t.dtype, t.bytes): t.fraction_of_copy for t in timings if t.role == "copy"}
+    why = ("Why each falls short, as measured: the note of each cell below (the first matching row of the "
+           "shortfalls file, `--shortfalls`)." if shortfalls is not None else
+           "No reasons were given (`--shortfalls`).")
+    lines = ["## against the targets", "",
+             "Cells held to a backend's target: "
+             + "; ".join(f"{op} {', '.join(directions)}" for op, directions in TARGET_DIRECTIONS.items())
+             + ", on the headline shapes and the layouts (not the sweep). Below a target: the cell, as the tables "
+             f"show it (two decimals), is under it. {why}", "",
+             "| backend | target | cells | below | below, by op and direction |", "|---|---:|---:|---:|---|"]
+    for impl, (target, cells, below) in verdicts.items():
+        counts = collections.Counter(f"{t.op} {t.direction}" for t in below)
+        lines.append(f"| {impl} | {target:.2f} | {len(cells)} | {len(below)} | "
+                     + ", ".join(f"{key} {count}" for key, count in counts.items()) + " |")
+    lines.append("")
+    for impl, (target, _, below) in verdicts.items():
+        if not below:
+            continue
+        lines += [f"<details><summary>{impl}: the {len(below)} cells below {target:.2f}</summary>", "",
+                  "| op | direction | shape | dtype | fraction of copy | note |", "|---|---|---|---|---:|---|"]
+        for t in below:
+            note = _shortfall_note(t, target, copies.get((t.shape, t.dtype, t.bytes)), shortfalls)
+            lines.append(f"| {t.op} | {t.direction} | {t.shape} | {t.dtype} | {_number(t.fraction_of_copy, 2)} | "
+                         f"{note} |")
+        lines += ["", "</details>", ""]
+    return lines
+
+
+def _number(value, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None) -> str:
+    env = dict(results.environment)
+    at_end = env.pop(COPY_AT_END, None)
+    copy = results.copy_gb_per_s
+    lines = ["# multisoft benchmark", ""]
+    lines += [f"- {key}: {value}" for key, value in env.items()]
+    lines += [f"- copy bandwidth (`dst.copy_(src)`, {plan.COPY_BYTES >> 20} MiB, read + write): **{copy:.0f} GB/s**"
+              + (f" ({at_end} at the end of the run)" if at_end else "") if copy else "- copy bandwidth: not measured",
+              ""]
+    lines += ["Each cell is the achieved bandwidth as a fraction of that copy bandwidth (best of a row in "
+              "bold). Bytes counted: softmax, log_softmax and block-sparse (over Z·nnz·block² elements): "
+              "forward 2, backward 3, forward+backward 5 × elements × element size; cross-entropy: 1, 2, 3 × "
+              "M·V × element size. A fused implementation can pass 1.0 on forward+backward. "
+              "Milliseconds and GB/s are in `timings.csv`; `—` = not timed (listed under each table).", ""]
+    if env.get("timing", "").startswith(("triton.testing.do_bench", "torch.cuda.Event")):
+        lines += ["These times include host overhead wherever the host launches a call more slowly than the GPU "
+                  "runs it (small tensors, forward+backward through autograd); `--timer queued` times the GPU "
+                  "work only.", ""]
+    lines += _targets_section(results.timings, shortfalls)
+    ops = list(dict.fromkeys(t.op for t in results.timings if t.role != "copy"))
+    for op in ops:
+        lines += _op_section(op, [t for t in results.timings if t.op == op])
+    lines += _memory_section(results) + _first_calls_section(results) + _copies_section(results)
+    lines += _overhead_section(results)
+    return "\n".join(lines)
+
+
+def _memory_section(results: Results) -> list[str]:
+    if not results.memory:
+        return []
+    lines = ["## cross_entropy: peak memory of forward+backward", "",
+             "`torch.cuda.max_memory_allocated()` above what was allocated before the call (the logits "
+             "themselves not counted).", "",
+             "| shape | dtype | impl | peak (MiB) | × logits | note |", "|---|---|---|---:|---:|---|"]
+    for m in results.memory:
+        ratio = None if m.peak_mib is None else m.peak_mib / m.logits_mib
+        lines.append(f"| {m.shape} | {m.dtype} | {m.impl} | {_number(m.peak_mib, 0)} | {_number(ratio, 2)} "
+                     f"| {m.note} |")
+    return lines + [""]
+
+
+def _first_calls_section(results: Results) -> list[str]:
+    if not results.first_calls:
+        return []
+    lines = ["## first call (compile) time", "",
+             "Wall time of the first call of each op in this process, synchronised; the on-disk caches of "
+             "Triton, CuPy and numba can make it shorter than a cold compile.", "",
+             "| impl | op | direction | dtype | shape | first call (ms) | steady (ms) |",
+             "|---|---|---|---|---|---:|---:|"]
+    for f in results.first_calls:
+        lines.append(f"| {f.impl} | {f.op} | {f.direction} | {f.dtype} | {f.shape} | {f.first_call_ms:.1f} | "
+                     f"{_number(f.steady_ms, 3)} |")
+    return lines + [""]
+
+
+def _copies_section(results: Results) -> list[str]:
+    copies = [t for t in results.timings if t.role == "copy" and t.group == "headline"]
+    if not copies:
+        return []
+    lines = ["## copy of each headline shape's bytes", "",
+             "`dst.copy_(src)` of one input of each shape, as a fraction of the copy above: launch, ramp-up "
+             "and tail leave about this much to any kernel that reads and writes that many bytes.", "",
+             "| shape | dtype | MiB copied | fraction of copy | note |", "|---|---|---:|---:|---|"]
+    for t in copies:
+        mib = t.bytes / 2 / 2**20 if t.bytes else None
+        lines.append(f"| {t.shape} | {t.dtype} | {_number(mib, 0)} | {_number(t.fraction_of_copy, 2)} | "
+                     f"{t.note} |")
+    return lines + [""]
+
+
+def _overhead_section(results: Results) -> list[str]:
+    if not results.overhead:
+        return []
+    lines = ["## host overhead per call, softmax of a (4, 128) float32 tensor", "",
+             "Wall time per call over 2000 calls with one synchronize at the end.", "",
+             "| impl | `multisoft.softmax` (µs) | kernel `forward` (µs) | difference (µs) | note |",
+             "|---|---:|---:|---:|---|"]
+    for o in results.overhead:
+        lines.append(f"| {o.impl} | {_number(o.api_us)} | {_number(o.direct_us)} | {_number(o.difference_us)} "
+                     f"| {o.note} |")
+    return lines + [""]

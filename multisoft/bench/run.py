@@ -1,0 +1,389 @@
+"""One benchmark run: every case of the plan on every implementation, then peak memory, host overhead and the
+environment, with a progress bar."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import impls, plan, timing
+from .impls import Impl, NotMeasured
+from .records import COPY_AT_END, FirstCall, MemoryRecord, Overhead, Results, Timing, describe_error
+
+DEVICE = "cuda"  # the tests' dry run sets "cpu"
+
+
+class Progress:
+    """tqdm when importable, else a one-line bar on stderr."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+            return
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        elapsed = time.perf_counter() - self.start
+        line = f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
+        sys.stderr.write(line[:120].ljust(120))
+        sys.stderr.flush()
+
+    def note(self, message: str) -> None:
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            sys.stderr.write("\r" + " " * 120 + "\r" + message + "\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class Runner:
+    """What one run shares: the device, the timer, the first calls seen, the kernel modules that failed."""
+
+    def __init__(self, args):
+        import torch
+
+        self.device = torch.device(DEVICE)
+        self.timer, self.timing_method = timing.make_timer(args.warmup, args.rep, args.timer)
+        self.seen_first: set = set()
+        self.failed_modules: dict = {}
+        self.progress: Progress | None = None
+
+    def skip_reason(self, impl: Impl, op: str, dtype_name: str) -> str:
+        """Why ``impl`` cannot run ``op`` in ``dtype_name`` here; "" when it can."""
+        if impl.role != "backend":
+            return ""
+        import torch
+
+        from .._registry import get_backend
+
+        name = impl.name.split()[0]
+        try:
+            backend = get_backend(name)
+            reason = backend.unavailable_reason(self.device, getattr(torch, plan.DTYPES[dtype_name]))
+        except Exception as error:  # noqa: BLE001
+            return describe_error(error)
+        if reason:
+            return f"unavailable: {reason}"
+        key = (name, plan.KERNEL_MODULE[op])
+        if key not in self.failed_modules:
+            try:
+                backend.kernels(plan.KERNEL_MODULE[op])
+                self.failed_modules[key] = ""
+            except Exception as error:  # noqa: BLE001 - a backend still being written must not stop the run
+                self.failed_modules[key] = describe_error(error)
+                self.note(f"{name} {op}: {self.failed_modules[key]}")
+        return self.failed_modules[key]
+
+    def note(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress.note(message)
+        else:
+            print(message, file=sys.stderr)
+
+    def measure(self, impl: Impl, case: plan.Case, dtype_name: str, inputs: dict, results: Results) -> None:
+        """Time each of ``impl``'s directions on ``case``: a Timing each (and a FirstCall for each first forward
+        and backward of an op)."""
+        skip = self.skip_reason(impl, case.op, dtype_name)
+        for direction in impl.directions:
+            record = Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label, case.n, direction,
+                            bytes=plan.bytes_moved(case.op, direction, case.elements, plan.ELEMENT_SIZE[dtype_name]))
+            results.timings.append(record)
+            if skip:
+                record.note = skip
+                continue
+            first = None
+            try:
+                fn = impls.prepare(impl, case.op, direction, inputs)
+                key = (impl.name, case.op, direction)
+                if direction != "forward+backward" and key not in self.seen_first:
+                    self.seen_first.add(key)
+                    first = FirstCall(impl.name, case.op, direction, dtype_name, case.label, timing.first_call_ms(fn))
+                    results.first_calls.append(first)
+                record.ms = self.timer(fn)
+            except NotMeasured as reason:
+                record.note = str(reason)
+            except Exception as error:  # noqa: BLE001 - record it (out of memory, a failing kernel) and go on
+                record.note = describe_error(error)
+                self.note(f"{impl.name} {case.op} {dtype_name} {case.label} {direction}: {record.note}")
+                _recover()
+            fn = None
+            if record.ms:
+                record.gb_per_s = plan.gb_per_s(record.bytes, record.ms)
+                if results.copy_gb_per_s:
+                    record.fraction_of_copy = record.gb_per_s / results.copy_gb_per_s
+                if first is not None:
+                    first.steady_ms = record.ms
+
+
+def _recover() -> None:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a broken context is reported by the next measurements
+        pass
+
+
+def _copy_of(timer: Callable, shape: tuple, dtype) -> tuple[float, int]:
+    """(milliseconds, bytes read and written) of ``dst.copy_(src)`` for tensors of ``shape``."""
+    import torch
+
+    src = torch.empty(shape, dtype=dtype, device=DEVICE)
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
+
+
+def copy_ms(timer: Callable) -> float:
+    """Milliseconds of ``dst.copy_(src)`` over COPY_BYTES (bytes moved: twice that, read + write)."""
+    import torch
+
+    return _copy_of(timer, (plan.COPY_BYTES // 4,), torch.float32)[0]
+
+
+def source_commit() -> str | None:
+    """The git commit of the multisoft source that runs, when it runs from a git checkout ("+ changes" when the
+    checkout differs from it); None otherwise."""
+    here = str(Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        changes = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0 or not commit.stdout.strip():
+        return None
+    return commit.stdout.strip() + (" + changes" if changes.stdout.strip() else "")
+
+
+def environment(backends: list[str], timing_method: str, liger_note: str) -> dict:
+    import torch
+
+    from .._registry import get_backend
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    env = {
+        "gpu": f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)",
+        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": source_commit() or "unknown (not run from a git checkout)",
+        "timing": timing_method,
+        "liger": liger_note,
+    }
+    for name in backends:
+        try:
+            env[f"backend {name}"] = get_backend(name).version() or "not installed"
+        except Exception as error:  # noqa: BLE001
+            env[f"backend {name}"] = describe_error(error)
+    return env
+
+
+def selectable_only_by_name(name: str) -> bool:
+    """Whether backend ``name`` sets AUTOMATIC = False (a float64 reference): such a backend is never timed."""
+    from .._registry import get_backend
+
+    try:
+        return getattr(get_backend(name).module, "AUTOMATIC", True) is False
+    except Exception:  # noqa: BLE001 - a backend that does not import is timed, and its cells say why it failed
+        return False
+
+
+def choose_impls(args) -> tuple[list[str], list[Impl], str]:
+    """The backends to time (``args.backends``, else every one available here), less those selectable only by
+    name; the implementations (each backend, its in-place cross-entropy, the peers); and Liger's note."""
+    import multisoft
+
+    from .._registry import get_backend
+
+    backends = []
+    for name in multisoft.available_backends() if args.backends is None else args.backends:
+        try:
+            get_backend(name)
+        except ValueError as error:
+            print(f"multisoft bench: {error}", file=sys.stderr)
+            continue
+        if selectable_only_by_name(name):
+            if args.backends is not None:
+                print(f"multisoft bench: backend {name!r} is not timed (AUTOMATIC = False: selectable only by "
+                      f"name, a reference)", file=sys.stderr)
+            continue
+        backends.append(name)
+    # the in-place cross-entropy timed beside the ordinary one, in the same case
+    chosen = [impls.backend_impl(name) for name in backends] + [impls.inplace_impl(name) for name in backends]
+    liger_note = "not timed (--no-peers)"
+    if not args.no_peers:
+        chosen.append(impls.torch_peer())
+        liger, liger_note = impls.liger_peer()
+        if liger is not None:
+            chosen.append(liger)
+    return backends, chosen, liger_note
+
+
+def run(args) -> Results:
+    import torch
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    runner = Runner(args)
+    backends, chosen, liger_note = choose_impls(args)
+    results = Results(environment(backends, runner.timing_method, liger_note), None)
+    print(f"multisoft bench on {results.environment['gpu']}; backends: {', '.join(backends) or 'none'}; "
+          f"liger: {liger_note}", file=sys.stderr)
+    ms = copy_ms(runner.timer)
+    results.copy_gb_per_s = plan.gb_per_s(2 * plan.COPY_BYTES, ms)
+    results.timings.append(Timing("copy", "torch", "copy", "-", "copy", f"{plan.COPY_BYTES >> 20} MiB", 0, "copy",
+                                  ms=ms, bytes=2 * plan.COPY_BYTES, gb_per_s=results.copy_gb_per_s,
+                                  fraction_of_copy=1.0))
+    cases = plan.plan_cases(args.ops, args.quick)
+    results.timings += same_bytes_copies(runner, cases, args.dtypes, results.copy_gb_per_s)
+    memory_cases = cases.get("cross_entropy", [])
+    memory_impls = [impl for impl in chosen if "cross_entropy" in impl.ops]
+    total = sum(len(op_cases) * len([i for i in chosen if op in i.ops]) for op, op_cases in cases.items())
+    total = total * len(args.dtypes) + len(memory_cases) * len(args.dtypes) * len(memory_impls)
+    runner.progress = Progress(total + 1)
+    try:
+        for op_cases in cases.values():
+            for dtype_name in args.dtypes:
+                for case in op_cases:
+                    _run_case(runner, chosen, case, dtype_name, results)
+        for dtype_name in args.dtypes:
+            for case in memory_cases:
+                _run_memory(runner, memory_impls, case, dtype_name, results)
+        runner.progress.step("host overhead")
+        results.overhead = host_overhead(runner, backends)
+    finally:
+        runner.progress.close()
+    results.environment[COPY_AT_END] = f"{plan.gb_per_s(2 * plan.COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"
+    results.environment["run time"] = f"{time.perf_counter() - started:.0f} s"
+    return results
+
+
+def same_bytes_copies(runner: Runner, cases: dict, dtypes: list[str], copy_gb_per_s: float) -> list[Timing]:
+    """``dst.copy_(src)`` of one input of each dense headline shape, against the long copy: a short
+    kernel's launch, ramp-up and tail cost it part of that bandwidth, whatever it computes."""
+    import torch
+
+    shapes = dict.fromkeys(case.shape for op_cases in cases.values() for case in op_cases
+                           if "headline" in case.group and case.layout is None)
+    records = []
+    for rows, cols in shapes:
+        for dtype_name in dtypes:
+            record = Timing("copy", "torch", "copy", dtype_name, "headline", f"{rows}x{cols}", cols, "copy")
+            try:
+                record.ms, record.bytes = _copy_of(runner.timer, (rows, cols),
+                                                   getattr(torch, plan.DTYPES[dtype_name]))
+                record.gb_per_s = plan.gb_per_s(record.bytes, record.ms)
+                record.fraction_of_copy = record.gb_per_s / copy_gb_per_s
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory: noted, the run goes on
+                record.note = describe_error(error)
+                _recover()
+            records.append(record)
+    return records
+
+
+def _run_case(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name: str, results: Results) -> None:
+    runnable = [impl for impl in chosen if case.op in impl.ops]
+    try:
+        inputs = impls.make_inputs(case, dtype_name, runner.device)
+    except Exception as error:  # noqa: BLE001 - e.g. out of memory: every impl gets the note
+        note = describe_error(error)
+        _recover()
+        for impl in runnable:
+            runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
+            for direction in impl.directions:
+                results.timings.append(Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label,
+                                              case.n, direction, note=note))
+        return
+    for impl in runnable:
+        runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
+        runner.measure(impl, case, dtype_name, inputs, results)
+    del inputs
+    _recover()
+
+
+def _run_memory(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name: str, results: Results) -> None:
+    """Peak memory of one cross-entropy forward+backward per impl."""
+    import torch
+
+    try:
+        inputs = impls.make_inputs(case, dtype_name, runner.device)
+    except Exception as error:  # noqa: BLE001
+        _recover()
+        runner.note(f"memory {case.label} {dtype_name}: {describe_error(error)}")
+        return
+    logits_mib = inputs["x"].numel() * inputs["x"].element_size() / 2**20
+    for impl in chosen:
+        runner.progress.step(f"memory {dtype_name} {case.label} {impl.name}")
+        record = MemoryRecord(impl.name, dtype_name, case.label, None, logits_mib)
+        results.memory.append(record)
+        record.note = runner.skip_reason(impl, case.op, dtype_name)
+        if record.note:
+            continue
+        try:
+            f = impl.make(case.op, inputs)
+            x = inputs["x"].detach().clone().requires_grad_(True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = f(x)
+            (grad,) = torch.autograd.grad(loss, x)
+            torch.cuda.synchronize()
+            record.peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+            del loss, grad, x
+        except Exception as error:  # noqa: BLE001
+            record.note = describe_error(error)
+            _recover()
+    del inputs
+    _recover()
+
+
+def host_overhead(runner: Runner, backends: list[str], calls: int = 2000) -> list[Overhead]:
+    """Per-call wall time of multisoft.softmax vs the backend's kernel forward on a (4, 128) input."""
+    import torch
+
+    import multisoft
+
+    from .._registry import get_backend
+
+    x = torch.randn(4, 128, device=runner.device)
+    out = torch.empty_like(x)
+    rows = []
+    for name in backends:
+        note = runner.skip_reason(impls.backend_impl(name), "softmax", "fp32")
+        if note:
+            rows.append(Overhead(name, None, None, note))
+            continue
+        try:
+            kernel = get_backend(name).kernels("softmax")
+            api = timing.wall_us_per_call(lambda: multisoft.softmax(x, backend=name), calls)
+            direct = timing.wall_us_per_call(lambda: kernel.forward(x, out, False), calls)
+            rows.append(Overhead(name, api, direct))
+        except Exception as error:  # noqa: BLE001
+            _recover()
+            rows.append(Overhead(name, None, None, describe_error(error)))
+    native = timing.wall_us_per_call(lambda: torch.softmax(x, -1), calls)
+    rows.append(Overhead(impls.TORCH_PEER, native, native, "torch.softmax, for reference"))
+    return rows

@@ -1,0 +1,166 @@
+"""How one call is timed on the GPU: CUDA events, the L2 cache flushed before each call, the median kept."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+# How many times longer than the host's measured time to queue a batch the GPU is held before it, and how far a
+# batch whose hold ran out may double it (past that, as for a call that synchronises inside, the times are kept).
+HOLD_MARGIN = 1.5
+HOLD_MARGIN_MAX = 24.0
+FLUSH_BYTES = 256 << 20  # zeroed before each timed call: more than the L2 of any GPU this targets
+
+_sleep_cycles_per_ms: list[float] = []
+
+
+def make_timer(warmup: float, rep: float, kind: str = "do_bench") -> tuple[Callable, str]:
+    """A function fn -> median milliseconds, and a description of how it times.
+
+    ``do_bench``: triton.testing.do_bench (event_bench without triton).
+    ``queued``: queued_bench, which keeps the host's launch time out of the result.
+    """
+    settings = f"median, L2 cleared between reps, warmup {warmup:g} ms, rep {rep:g} ms"
+    if kind == "queued":
+        return (lambda fn: queued_bench(fn, warmup, rep)), f"queued CUDA events, host time hidden ({settings})"
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001 - a broken triton install must not stop the benchmark
+        return (lambda fn: event_bench(fn, warmup, rep)), f"torch.cuda.Event ({settings})"
+    return (lambda fn: float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))), \
+        f"triton.testing.do_bench ({settings})"
+
+
+def _hold_gpu(ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` milliseconds (torch.cuda._sleep, calibrated once)."""
+    import torch
+
+    if not _sleep_cycles_per_ms:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _sleep_cycles_per_ms.append(10_000_000 / max(start.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
+
+
+def queued_bench(fn: Callable, warmup: float, rep: float, max_batch: int = 32) -> float:
+    """Median CUDA-event time of ``fn`` with its host time hidden, L2 flushed before each call.
+
+    Before each batch of calls the GPU is held busy (a sleep kernel) for as long
+    as the host needs to queue the batch, so every call finds the previous one's
+    work queued behind it: the events time the GPU work, not the Python launching
+    it. A call that the GPU began before the host had queued all of it (the hold
+    ran out: the host was slower than measured, or the sleep shorter) timed the
+    host too: it is left out and the next batches are held twice as long. A call
+    that synchronises inside still waits for the host.
+    """
+    import torch
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    _hold_gpu(20.0)
+    start = time.perf_counter()
+    for _ in range(3):
+        flush.zero_()
+        fn()
+    host_ms = (time.perf_counter() - start) * 1e3 / 3 + 0.02  # + the events' launches
+    torch.cuda.synchronize()
+    wall_ms = max(host_ms, statistics.median(_events_times(fn, flush, 3, 4.5 * host_ms)[0]))
+    for _ in range(max(1, int(warmup / wall_ms))):
+        fn()
+    total = max(10, min(1000, int(rep / wall_ms)))
+    batch = max(1, min(max_batch, int(40.0 / host_ms)))
+    margin = HOLD_MARGIN
+    clean = margin <= HOLD_MARGIN_MAX
+    times: list[float] = []
+    while len(times) < total:
+        count = min(batch, total - len(times))
+        kept, waited = _events_times(fn, flush, count, margin * count * host_ms, clean_only=clean)
+        if clean and len(kept) < count:
+            if waited:   # the host waited out the hold: a call that synchronises, which no longer hold would help
+                clean = False
+            else:
+                margin *= 2
+                clean = margin <= HOLD_MARGIN_MAX
+        times += kept
+    return statistics.median(times)
+
+
+def _events_times(fn: Callable, flush, count: int, hold_ms: float = 0.0,
+                  clean_only: bool = False) -> tuple[list[float], bool]:
+    """CUDA-event times of ``count`` calls, L2 flushed before each, the GPU first held ``hold_ms``; and whether
+    the host took at least the hold to queue them (it waited on the GPU: a call that synchronises).
+
+    ``clean_only``: only the calls that the GPU began after the host had queued all of their work (their start
+    event ran later, from a mark recorded on the idle stream, than the host took to queue them): the others timed
+    the host as well."""
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+    mark = torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    mark.record()
+    marked = time.perf_counter()
+    if hold_ms:
+        _hold_gpu(hold_ms)
+    queued = []
+    for first, last in zip(starts, ends):
+        flush.zero_()
+        first.record()
+        fn()
+        last.record()
+        queued.append((time.perf_counter() - marked) * 1e3)
+    torch.cuda.synchronize()
+    times = [first.elapsed_time(last) for first, last, host_ms in zip(starts, ends, queued)
+             if not clean_only or mark.elapsed_time(first) > host_ms]
+    return times, bool(hold_ms) and queued[-1] >= hold_ms
+
+
+def event_bench(fn: Callable, warmup: float, rep: float) -> float:
+    """do_bench without triton: warm up, then the median of CUDA-event times, L2 flushed before each."""
+    import torch
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    return statistics.median(_events_times(fn, flush, max(1, int(rep / estimate)))[0])
+
+
+def wall_us_per_call(fn: Callable, calls: int) -> float:
+    """Host wall-clock per call over ``calls`` calls, with one synchronize at the end."""
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def first_call_ms(fn: Callable) -> float:
+    """Wall time of one synchronised call (the first: it includes compiling)."""
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
