@@ -6,7 +6,7 @@ kernel framework is imported until a backend runs.
 """
 
 from . import nn
-from ._registry import BackendUnavailableError, available_backends, use_backend
+from ._registry import BackendInfo, BackendUnavailableError, available_backends, backends, use_backend
 from ._blocksparse import (
     BlockSparseLUT,
     blocksparse_from_dense,
@@ -20,9 +20,11 @@ from ._softmax import log_softmax, softmax
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendInfo",
     "BackendUnavailableError",
     "BlockSparseLUT",
     "available_backends",
+    "backends",
     "blocksparse_from_dense",
     "blocksparse_softmax",
     "blocksparse_softmax_backward",

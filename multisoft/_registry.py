@@ -2,8 +2,10 @@
 
 Backends are packages found by name (top-level ``multisoft_<name>``) or
 through the entry-point group ``multisoft.backends``; they are imported only when first
-needed, and their kernel modules only when first called. See
-``backends/README.md`` for the contract.
+needed, and their kernel modules only when first called. The automatic choice
+takes the highest-priority backend that can run a call, never one that declares
+``AUTOMATIC = False`` (those run only when named). See ``backends/README.md``
+for the contract.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import importlib.util
 import os
 import pkgutil
 import threading
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Iterator
 
@@ -50,6 +53,11 @@ class Backend:
     @property
     def priority(self) -> int:
         return int(getattr(self.module, "PRIORITY", 0))
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the automatic choice may pick this backend; one with ``AUTOMATIC = False`` runs only by name."""
+        return bool(getattr(self.module, "AUTOMATIC", True))
 
     @property
     def install_hint(self) -> str:
@@ -108,7 +116,7 @@ def _discover() -> None:
 
 
 def backend_names() -> list[str]:
-    """Every backend known here, installed or not, in default priority order."""
+    """Every backend whose package imports here (its framework installed or not), in default priority order."""
     return [b.name for b in _default_backends()]
 
 
@@ -163,7 +171,8 @@ def _require(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
 
 
 def resolve(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> Backend:
-    """The backend for a call: argument, then use_backend, then $MULTISOFT_BACKEND, then default."""
+    """The backend for a call: argument, then use_backend, then $MULTISOFT_BACKEND, then the automatic choice (the
+    highest-priority backend that can run, skipping those with ``AUTOMATIC = False``)."""
     if backend is None:
         backend = _current.get()
     env = os.environ.get(ENV_VAR, "") if backend is None else None
@@ -191,7 +200,7 @@ def _resolve(device: torch.device, dtype: torch.dtype, backend: str | None, env:
             return _require(names[0], device, dtype)
         candidates = [get_backend(n) for n in names]
     else:
-        candidates = _default_backends()
+        candidates = [b for b in _default_backends() if b.automatic]
     for candidate in candidates:
         if candidate.unavailable_reason(device, dtype) is None:
             return candidate
@@ -210,9 +219,40 @@ def resolve_name(device: torch.device, dtype: torch.dtype, backend: str | None =
 resolve_name._dynamo_marked_constant = True
 
 
+@dataclass(frozen=True)
+class BackendInfo:
+    """One installed backend, as ``multisoft.backends()`` describes it."""
+
+    name: str
+    version: str | None           # its framework's version; None when the framework is not installed
+    priority: int                 # the automatic choice tries higher first
+    automatic: bool               # False: never chosen automatically, only by name
+    unavailable_reason: str | None  # why it cannot run on the device and dtype asked about; None when it can
+    notes: tuple[str, ...]        # what ``python -m multisoft info`` prints under it
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_reason is None
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def backends(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> list[BackendInfo]:
+    """Every backend installed here, in default priority order, and whether it can run on ``device`` (default:
+    the current CUDA device, else the CPU) with ``dtype``; those with ``automatic`` False run only when named."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    device = _default_device() if device is None else torch.device(device)
+    return [BackendInfo(b.name, b.version(), b.priority, b.automatic, b.unavailable_reason(device, dtype),
+                        tuple(b.notes())) for b in _default_backends()]
+
+
 def available_backends(op: str | None = None) -> list[str]:
-    """Backends installed here that can run on this machine's default device, best first."""
+    """Backends installed here that can run on this machine's default device, best first (those chosen only by
+    name, such as ``reference``, included)."""
     if op is not None and op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = _default_device()
     return [b.name for b in _default_backends() if b.unavailable_reason(device, torch.float32) is None]

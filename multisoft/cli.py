@@ -14,7 +14,7 @@ def _info(args) -> int:
     import torch
 
     import multisoft
-    from multisoft._registry import ENV_VAR, _default_backends
+    from multisoft._registry import ENV_VAR
 
     print(f"multisoft {multisoft.__version__}, python {platform.python_version()}, torch {torch.__version__}")
     if torch.cuda.is_available():
@@ -28,13 +28,13 @@ def _info(args) -> int:
         print("GPU: none (no CUDA device visible to torch)")
     print(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}")
     print(f"backends, in default priority order, on {device}:")
-    for backend in _default_backends():
-        version = backend.version()
-        reason = backend.unavailable_reason(device, torch.float32)
-        state = "available" if reason is None else f"unavailable: {reason}"
-        print(f"  {backend.name:<8} {version or '-':<28} {state}")
-        for note in backend.notes():
-            print(f"  {'':<8} note: {note}")
+    for backend in multisoft.backends(device):
+        state = "available" if backend.available else f"unavailable: {backend.unavailable_reason}"
+        if not backend.automatic:
+            state += " (only when named: backend=, use_backend or $MULTISOFT_BACKEND)"
+        print(f"  {backend.name:<10} {backend.version or '-':<32} {state}")
+        for note in backend.notes:
+            print(f"  {'':<10} note: {note}")
     return 0
 
 
@@ -45,27 +45,24 @@ class UsageError(Exception):
 def _check(args) -> int:
     import torch
 
-    from multisoft._registry import _default_backends, get_backend
+    import multisoft
     from multisoft.check import format_table, run_check
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    installed = {b.name: b for b in multisoft.backends(device)}
     if args.backends:
         names = [n.strip() for n in args.backends.split(",") if n.strip()]
         for name in names:
-            try:
-                reason = get_backend(name).unavailable_reason(device, torch.float32)
-            except ValueError as error:
-                raise UsageError(str(error)) from None
-            if reason is not None:
-                raise UsageError(f"backend {name!r} cannot run on {device}: {reason}")
+            if name not in installed:
+                raise UsageError(f"unknown backend {name!r}; known backends: {', '.join(sorted(installed))}")
+            if not installed[name].available:
+                raise UsageError(f"backend {name!r} cannot run on {device}: {installed[name].unavailable_reason}")
     else:
-        names, skipped = [], []
-        for backend in _default_backends():
-            reason = backend.unavailable_reason(device, torch.float32)
-            (names.append(backend.name) if reason is None else skipped.append((backend.name, reason)))
-        for name, reason in skipped:
-            print(f"skipped {name}: {reason}")
-        if skipped and device.type == "cpu" and not args.simulate:
+        names = [b.name for b in installed.values() if b.available]
+        for backend in installed.values():
+            if not backend.available:
+                print(f"skipped {backend.name}: {backend.unavailable_reason}")
+        if len(names) < len(installed) and device.type == "cpu" and not args.simulate:
             print("(--simulate runs triton under its interpreter and numba under its CUDA simulator on the CPU)")
     small = device.type == "cpu"
     print(f"checking {', '.join(names)} on {device} ({'small' if small else 'full'} shapes) "

@@ -10,22 +10,36 @@ import os
 
 import torch
 
-from multisoft._registry import _default_backends
+import multisoft
 from multisoft.check import TOLERANCES, error_ratio
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda"
+SELECTION_VARIABLE = "MULTISOFT_TEST_BACKENDS"
+NATIVE_ON_CPU = ("torch", "reference")  # torch's own ops: neither interpreted nor simulated on the CPU
 
 
 def backends_under_test() -> list[str]:
-    only = {n.strip() for n in os.environ.get("MULTISOFT_TEST_BACKENDS", "").split(",") if n.strip()}
-    names = [b.name for b in _default_backends() if b.unavailable_reason(DEVICE, torch.float32) is None]
-    return [n for n in names if not only or n in only]
+    """Every installed backend that can run on DEVICE (those chosen only by name, such as ``reference``, too), or
+    those of them that $MULTISOFT_TEST_BACKENDS lists; a name there that is not installed, or a list of which
+    none can run here, is a ValueError rather than a run that tests nothing."""
+    installed = multisoft.backends(DEVICE)
+    only = [n.strip() for n in os.environ.get(SELECTION_VARIABLE, "").split(",") if n.strip()]
+    unknown = [n for n in only if n not in {b.name for b in installed}]
+    if unknown:
+        raise ValueError(f"{SELECTION_VARIABLE} names {', '.join(map(repr, unknown))}, not an installed backend; "
+                         f"installed: {', '.join(b.name for b in installed)}")
+    names = [b.name for b in installed if b.available and (not only or b.name in only)]
+    if only and not names:
+        reasons = "; ".join(f"{b.name}: {b.unavailable_reason}" for b in installed if b.name in only)
+        raise ValueError(f"no backend that {SELECTION_VARIABLE}={','.join(only)!r} lists can run on {DEVICE} "
+                         f"({reasons})")
+    return names
 
 
 def simulated(backend: str) -> bool:
     """True when ``backend`` runs on the CPU under an interpreter or simulator: keep shapes small."""
-    return not ON_GPU and backend != "torch"
+    return not ON_GPU and backend not in NATIVE_ON_CPU
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,

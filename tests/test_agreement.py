@@ -178,7 +178,7 @@ def test_cross_entropy_inplace_backward(backend, dtype, reduction):
 
 @on_each_backend
 def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend):
-    """Targets outside [0, C): the reference raises; a GPU backend raises or gives NaN, in bounds."""
+    """Targets outside [0, C): the reference backend raises; the others raise or give NaN, in bounds."""
     classes = 1000
     logits = torch.randn(6, classes, device=DEVICE, requires_grad=True)
     target = torch.tensor([0, classes, -1, 10**9, -(10**9), 5], device=DEVICE)
@@ -296,8 +296,8 @@ def _rows_past_2_31(rows, columns):
 
 
 def _large_inputs_on(backend):
-    if backend == "torch":
-        pytest.skip("the reference backend indexes through torch")
+    if backend == "reference":
+        pytest.skip("the float64 reference of 2**31 elements needs more GPU memory than the test has")
 
 
 @pytest.mark.parametrize("shape", [(2**21 + 64, 1024), (2**14 + 16, 131_072)], ids=lambda s: "x".join(map(str, s)))

@@ -165,7 +165,7 @@ def test_info_runs():
     (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), weight=torch.ones(3),
                                      backend="torch", inplace_backward="yes"),
      TypeError, "inplace_backward must be a bool"),
-    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.tensor([0, 3]), backend="torch"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.tensor([0, 3]), backend="reference"),
      ValueError, "target holds class"),
     (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.ones(1, 1), 16),
      ValueError, "layout must be 3-D"),
