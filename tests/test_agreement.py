@@ -195,33 +195,6 @@ def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend):
     assert_close(loss[valid], expected, torch.float32, "valid rows")
 
 
-@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@on_each_backend
-def test_cross_entropy_kernel_contract_row_weight_and_broadcast_gradient(backend, weighted):
-    """The backend contract itself: each row's weight in a mean (w[target], 0 when ignored), and a backward
-    whose grad_loss is one value broadcast to every row (stride 0) equal to one with that value per row."""
-    from multisoft._registry import get_backend
-
-    kernels = get_backend(backend).kernels("cross_entropy")
-    rows, classes = 9, 700
-    logits = torch.randn(rows, classes, device=DEVICE)
-    target = torch.randint(0, classes, (rows,), device=DEVICE)
-    target[[2, 5]] = -100
-    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
-    weight_sum = weight.sum().reshape(1) if weighted else None
-    loss, lse, row_weight = (torch.full((rows,), float("nan"), device=DEVICE) for _ in range(3))
-    kernels.forward(logits, target, weight, loss, lse, row_weight, -100, 0.1)
-    counted = target != -100
-    expected = torch.zeros(rows, device=DEVICE)
-    expected[counted] = weight[target[counted]] if weighted else 1.0
-    assert torch.equal(row_weight, expected), (row_weight, expected)
-    value = torch.tensor([0.37], device=DEVICE)
-    broadcast, per_row = torch.empty_like(logits), torch.empty_like(logits)
-    kernels.backward(logits, target, weight, weight_sum, lse, value.expand(rows), broadcast, -100, 0.1)
-    kernels.backward(logits, target, weight, weight_sum, lse, value.repeat(rows), per_row, -100, 0.1)
-    assert torch.equal(broadcast, per_row)
-
-
 # -- block-sparse softmax
 
 

@@ -1,0 +1,519 @@
+"""The backend contract (backends/README.md), checked on every backend that can run here by calling its description
+(``__init__``) and its kernel modules directly, as the front calls them, never through the public API.
+
+Every tensor of a kernel call sits inside a larger buffer of sentinels (``Placement``): inputs must come back
+bit for bit as they went in, outputs must be written in full (they start as NaN, or as a value the contract never
+gives, where NaN is an expected answer) and nowhere outside their own elements. Expected values are the float64
+references of multisoft/check.py, compared at its per-dtype tolerances by tests/harness.py's ``assert_close``.
+Shapes stay small: the Triton interpreter and numba's simulator run them here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import DEVICE, assert_close, backends_under_test, simulated
+from multisoft._blocksparse import lookup_table
+from multisoft._registry import get_backend
+from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
+                             reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
+
+BACKENDS = backends_under_test()
+on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
+each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+
+NAN, INF = float("nan"), float("inf")
+GUARD = 8                  # sentinel elements after every tensor, and before it unless a test asks for fewer
+UNALIGNED = 1              # sentinel elements before every tensor where a test wants its data off 16-byte alignment
+INPUT_SENTINEL = NAN       # around floating inputs: read past the end and used, it shows as NaN
+TARGET_SENTINEL = 2**30 + 7  # around targets: read, it is a class out of range (a NaN loss, or ValueError)
+OUTPUT_SENTINEL = -777.0   # around outputs (and the in-place gradient): a value no call here computes
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as integers, so that comparisons are bitwise (NaN payloads included)."""
+    if not t.is_floating_point():
+        return t
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+class Placement:
+    """The tensors of one kernel call, each inside a flat buffer of its own that holds sentinels around it.
+
+    ``unchanged()`` asserts what the contract lets a backend write: nothing of an input (sentinels included), and
+    of an output only its own elements.
+    """
+
+    def __init__(self, lead: int = GUARD):
+        self.lead = lead   # sentinels before each tensor: GUARD keeps its data 16-byte aligned, UNALIGNED does not
+        self._inputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._outputs: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+
+    def _buffer(self, shape, dtype, sentinel) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = math.prod(shape)
+        buffer = torch.full((self.lead + numel + GUARD,), sentinel, dtype=dtype, device=DEVICE)
+        return buffer, buffer[self.lead:self.lead + numel].view(shape)
+
+    def input(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """``values`` placed in a buffer of INPUT_SENTINEL (TARGET_SENTINEL for integers); the call must not
+        write any of it."""
+        sentinel = INPUT_SENTINEL if values.is_floating_point() else TARGET_SENTINEL
+        buffer, view = self._buffer(values.shape, values.dtype, sentinel)
+        view.copy_(values)
+        self._inputs.append((name, buffer, _bits(buffer).clone()))
+        return view
+
+    def output(self, name: str, shape, dtype: torch.dtype, fill: float = NAN) -> torch.Tensor:
+        """An output of ``shape`` holding ``fill`` in a buffer of OUTPUT_SENTINEL; the call may write only it."""
+        buffer, view = self._buffer(tuple(shape), dtype, OUTPUT_SENTINEL)
+        view.fill_(fill)
+        self._outputs.append((name, buffer, _bits(buffer).clone(), view.numel()))
+        return view
+
+    def in_place(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """An input the call may overwrite (the in-place gradient) in a buffer of OUTPUT_SENTINEL."""
+        view = self.output(name, values.shape, values.dtype)
+        view.copy_(values)
+        return view
+
+    def unchanged(self) -> None:
+        for name, buffer, before in self._inputs:
+            changed = (_bits(buffer) != before).nonzero().flatten().tolist()
+            assert not changed, f"the call wrote into its input {name} (buffer elements {changed[:8]})"
+        for name, buffer, before, numel in self._outputs:
+            outside = torch.ones(buffer.numel(), dtype=torch.bool, device=buffer.device)
+            outside[self.lead:self.lead + numel] = False
+            changed = ((_bits(buffer) != before) & outside).nonzero().flatten().tolist()
+            assert not changed, (f"the call wrote outside its output {name}: buffer elements {changed[:8]}, "
+                                 f"the output being elements {self.lead}..{self.lead + numel - 1}")
+
+
+def _kernels(backend: str, op: str):
+    return get_backend(backend).kernels(op)
+
+
+def _skip_unless_runs(backend: str, dtype: torch.dtype) -> None:
+    reason = get_backend(backend).unavailable_reason(DEVICE, dtype)
+    if reason is not None:
+        pytest.skip(f"{backend} cannot run {dtype} on {DEVICE}: {reason}")
+
+
+# -- __init__.py: the description
+
+
+@on_each_backend
+def test_description(backend):
+    """NAME, PRIORITY, INSTALL, version(), unavailable_reason(), and the optional AUTOMATIC and notes(), of the
+    types the README gives."""
+    description = get_backend(backend).module
+    assert description.NAME == backend
+    assert type(description.PRIORITY) is int, f"PRIORITY is {description.PRIORITY!r}, not an int"
+    assert isinstance(description.INSTALL, str) and description.INSTALL.strip(), "INSTALL must say how to install it"
+    version = description.version()
+    assert isinstance(version, str) and version, f"version() of an installed backend is {version!r}"
+    assert type(getattr(description, "AUTOMATIC", True)) is bool
+    if hasattr(description, "notes"):
+        notes = description.notes()
+        assert isinstance(notes, list) and all(isinstance(line, str) and line for line in notes), notes
+    assert description.unavailable_reason(DEVICE, torch.float32) is None, "the harness found it runs here"
+    for device in {DEVICE, torch.device("cpu")}:
+        for dtype in (*DTYPES, torch.float64):
+            reason = description.unavailable_reason(device, dtype)
+            assert reason is None or (isinstance(reason, str) and reason), (device, dtype, reason)
+
+
+# Imports the description in a fresh interpreter without the simulators, asks it about CPU tensors of every dtype
+# and prints the top-level modules that appeared meanwhile, less the standard library's and the package's own.
+_CHEAP_DESCRIPTION = """
+import importlib, json, sys
+import torch
+before = set(sys.modules)
+description = importlib.import_module(sys.argv[1])
+reasons = [description.unavailable_reason(torch.device("cpu"), dtype)
+           for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)]
+description.version()
+own = sys.argv[1].split(".")[0]
+new = {name.split(".")[0] for name in set(sys.modules) - before}
+print(json.dumps({"reasons": reasons, "imported": sorted(new - set(sys.stdlib_module_names) - {own})}))
+"""
+
+
+@on_each_backend
+def test_unavailable_reason_is_cheap(backend):
+    """Answering for a CPU tensor with the simulators off imports nothing but the description (no framework),
+    and a backend that runs here only under a simulator says why it cannot without one."""
+    package = get_backend(backend).package
+    environment = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    done = subprocess.run([sys.executable, "-c", _CHEAP_DESCRIPTION, package], env=environment,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["imported"] == [], f"unavailable_reason/version imported {answer['imported']}"
+    assert all(r is None or (isinstance(r, str) and r) for r in answer["reasons"]), answer["reasons"]
+    if simulated(backend):
+        assert isinstance(answer["reasons"][0], str), "without its simulator it cannot run on the CPU: say why"
+
+
+# -- softmax.py
+
+SOFTMAX_SHAPES = [(1, 1), (1, 7), (3, 1), (6, 33), (2, 300)]
+softmax_or_log = pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+
+
+def _check_softmax_forward(backend, dtype, shape, log, lead=GUARD, x=None):
+    call = Placement(lead)
+    if x is None:
+        x = (torch.randn(shape, device=DEVICE) * 3).to(dtype)
+    x = call.input("x", x)
+    out = call.output("out", x.shape, dtype)
+    _kernels(backend, "softmax").forward(x, out, log)
+    call.unchanged()
+    assert_close(out, reference_softmax(x, -1, log), dtype, f"{'log_softmax' if log else 'softmax'} forward")
+
+
+def _check_softmax_backward(backend, dtype, shape, log, lead=GUARD):
+    call = Placement(lead)
+    x = torch.randn(shape, device=DEVICE) * 3
+    y = call.input("y", reference_softmax(x, -1, log).to(dtype))
+    dy = call.input("dy", torch.randn(shape, device=DEVICE).to(dtype))
+    dx = call.output("dx", shape, dtype)
+    _kernels(backend, "softmax").backward(y, dy, dx, log)
+    call.unchanged()
+    assert_close(dx, reference_softmax_backward(y, dy, -1, log), dtype,
+                 f"{'log_softmax' if log else 'softmax'} backward", softmax_backward_magnitude(y, dy, -1, log))
+
+
+@pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@softmax_or_log
+@each_dtype
+@on_each_backend
+def test_softmax_forward(backend, dtype, log, shape):
+    """out = softmax(x) or log_softmax(x) along the last dim, x left as it was, nothing written but out."""
+    _skip_unless_runs(backend, dtype)
+    _check_softmax_forward(backend, dtype, shape, log)
+
+
+@pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@softmax_or_log
+@each_dtype
+@on_each_backend
+def test_softmax_backward(backend, dtype, log, shape):
+    """softmax: dx = y * (dy - sum(y * dy)); log: dx = dy - exp(y) * sum(dy); y and dy left as they were."""
+    _skip_unless_runs(backend, dtype)
+    _check_softmax_backward(backend, dtype, shape, log)
+
+
+@softmax_or_log
+@each_dtype
+@on_each_backend
+def test_softmax_forward_infinities(backend, dtype, log):
+    """-inf entries get 0 (log: -inf), a row that is all -inf gives NaN, like torch."""
+    _skip_unless_runs(backend, dtype)
+    x = torch.randn(4, 40, device=DEVICE).to(dtype)
+    x[0, ::3] = -INF
+    x[1, 1:] = -INF
+    x[2] = -INF
+    _check_softmax_forward(backend, dtype, x.shape, log, x=x)
+
+
+# -- cross_entropy.py
+
+# Rows of each batch whose target is ignore_index (where there are that many rows).
+IGNORED_ROWS = (2, 5)
+
+CROSS_ENTROPY_CASES = {
+    "plain": dict(shape=(9, 37)),
+    "weighted-smoothed-int32": dict(shape=(9, 700), weighted=True, label_smoothing=0.1, target_dtype=torch.int32),
+    "smoothed-int32": dict(shape=(9, 37), label_smoothing=0.1, target_dtype=torch.int32),
+    "ignore-a-class": dict(shape=(9, 37), weighted=True, label_smoothing=0.2, ignore_index=3),
+    "one-class": dict(shape=(3, 1), label_smoothing=0.1),
+    "one-row": dict(shape=(1, 37), weighted=True, target_dtype=torch.int32),
+}
+
+
+def _cross_entropy_inputs(dtype, shape, weighted=False, label_smoothing=0.0, ignore_index=-100,
+                          target_dtype=torch.int64):
+    """(logits, target, weight or None, keyword arguments of F.cross_entropy) of a case."""
+    rows, classes = shape
+    logits = (torch.randn(shape, device=DEVICE) * 2).to(dtype)
+    target = torch.randint(0, classes, (rows,), device=DEVICE)
+    target[[r for r in IGNORED_ROWS if r < rows]] = ignore_index
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    return logits, target.to(target_dtype), weight, dict(ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+def _expected_row_weight(target, weight, ignore_index):
+    """w[t] (1 without weights) for each row, 0 where t is ignore_index: exactly, being a copy of the weight."""
+    ignored = target == ignore_index
+    safe = torch.where(ignored, 0, target).long()
+    target_weight = weight[safe] if weight is not None else torch.ones(target.shape, device=DEVICE)
+    return torch.where(ignored, 0.0, target_weight)
+
+
+def _expected_gradient(logits, target, weight, grad_loss, options):
+    """d (sum_i grad_loss[i] * loss_i) / d logits in float64: torch's gradient of the per-row reference."""
+    logits64 = logits.detach().double().requires_grad_()
+    loss = reference_cross_entropy(logits64, target, weight=weight, reduction="none", **options)
+    (gradient,) = torch.autograd.grad(loss, logits64, grad_loss.double())
+    return gradient
+
+
+@pytest.mark.parametrize("case", list(CROSS_ENTROPY_CASES), ids=str)
+@each_dtype
+@on_each_backend
+def test_cross_entropy_forward(backend, dtype, case):
+    """loss (0 for an ignored row), lse (every row, ignored ones too) and row_weight (w[t], 0 when ignored) all
+    written, the inputs left as they were. loss and lse are float32 from float32 arithmetic on the logits as given:
+    the float32 tolerance whatever the logits' dtype."""
+    _skip_unless_runs(backend, dtype)
+    logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[case])
+    rows = logits.shape[0]
+    call = Placement()
+    logits, target = call.input("logits", logits), call.input("target", target)
+    weight = call.input("weight", weight) if weight is not None else None
+    loss, lse, row_weight = (call.output(name, (rows,), torch.float32) for name in ("loss", "lse", "row_weight"))
+    _kernels(backend, "cross_entropy").forward(logits, target, weight, loss, lse, row_weight,
+                                               options["ignore_index"], options["label_smoothing"])
+    call.unchanged()
+    expected = reference_cross_entropy(logits, target, weight=weight, reduction="none", **options)
+    assert_close(loss, expected, torch.float32, "loss")
+    assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
+    expected_row_weight = _expected_row_weight(target, weight, options["ignore_index"])
+    assert torch.equal(row_weight, expected_row_weight), (row_weight, expected_row_weight)
+
+
+CROSS_ENTROPY_BACKWARD_CASES = {
+    # case of CROSS_ENTROPY_CASES, grad_loss one value broadcast to every row (stride 0), grad_logits is logits
+    "plain": ("plain", False, False),
+    "broadcast-weighted": ("weighted-smoothed-int32", True, False),
+    "in-place-weighted": ("ignore-a-class", False, True),
+    "in-place-broadcast": ("smoothed-int32", True, True),
+    "one-class-broadcast": ("one-class", True, False),
+    "one-row-in-place": ("one-row", False, True),
+}
+
+
+def _cross_entropy_backward(backend, logits, target, weight, options, grad_loss_values, broadcast, in_place,
+                            lead=GUARD):
+    """Runs the backward with every tensor placed (grad_loss as given or as its first value at stride 0, grad_logits
+    a tensor of its own or the logits themselves); returns grad_logits."""
+    call = Placement(lead)
+    rows = logits.shape[0]
+    lse = call.input("lse", torch.logsumexp(logits.double(), -1).float())
+    placed_logits = call.in_place("logits", logits) if in_place else call.input("logits", logits)
+    target = call.input("target", target)
+    weight_sum = None if weight is None else call.input("weight_sum", weight.sum().reshape(1))
+    weight = None if weight is None else call.input("weight", weight)
+    if broadcast:
+        grad_loss = call.input("grad_loss", grad_loss_values[:1]).expand(rows)
+        assert grad_loss.stride(0) == 0
+    else:
+        grad_loss = call.input("grad_loss", grad_loss_values)
+    grad_logits = placed_logits if in_place else call.output("grad_logits", logits.shape, logits.dtype)
+    _kernels(backend, "cross_entropy").backward(placed_logits, target, weight, weight_sum, lse, grad_loss, grad_logits,
+                                                options["ignore_index"], options["label_smoothing"])
+    call.unchanged()
+    return grad_logits
+
+
+@pytest.mark.parametrize("case", list(CROSS_ENTROPY_BACKWARD_CASES), ids=str)
+@each_dtype
+@on_each_backend
+def test_cross_entropy_backward(backend, dtype, case):
+    """grad_logits = grad_loss[i] * d loss_i / d logits (0 for ignored rows) into a tensor of its own or into the
+    logits (each element read before it is overwritten), grad_loss contiguous or one value at stride 0. A broadcast
+    grad_loss gives exactly what that value repeated per row gives."""
+    _skip_unless_runs(backend, dtype)
+    inputs, broadcast, in_place = CROSS_ENTROPY_BACKWARD_CASES[case]
+    logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[inputs])
+    rows = logits.shape[0]
+    grad_loss = torch.rand(rows, device=DEVICE) + 0.5
+    if broadcast:
+        grad_loss = grad_loss[:1].repeat(rows)
+    grad = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, broadcast, in_place)
+    assert_close(grad, _expected_gradient(logits, target, weight, grad_loss, options), dtype, "grad_logits")
+    if broadcast:
+        per_row = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, False, in_place)
+        assert torch.equal(grad, per_row), "a grad_loss at stride 0 must give what one value per row gives"
+
+
+def _invalid_targets(target_dtype, classes):
+    """Targets of 8 rows: classes 0 and 5, ignore_index -100, and five outside [0, classes), int64 ones among them
+    that a kernel reading only their low 32 bits would take for classes 3 and 0."""
+    info = torch.iinfo(target_dtype)
+    if target_dtype == torch.int64:
+        far = [2**32 + 3, -(2**32)]
+    else:
+        far = [info.max, info.min]
+    return torch.tensor([0, classes, -1, *far, 5, -100, classes + 1], dtype=target_dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32], ids=str)
+@on_each_backend
+def test_cross_entropy_invalid_targets(backend, target_dtype):
+    """A target outside [0, C) that is not ignore_index: ValueError, or a NaN loss for its row (the other rows
+    right, lse right for every row); its gradient row is unspecified but written in bounds, here into the logits
+    themselves, which sit between sentinels."""
+    classes = 37
+    target = _invalid_targets(target_dtype, classes)
+    rows = target.numel()
+    valid = (target >= 0) & (target < classes)
+    invalid = ~valid & (target != -100)
+    known = ~invalid
+    logits = torch.randn(rows, classes, device=DEVICE) * 2
+    options = dict(ignore_index=-100, label_smoothing=0.1)
+    weight = torch.rand(classes, device=DEVICE) + 0.5
+
+    call = Placement()
+    placed, placed_target, placed_weight = (call.input(n, t) for n, t in
+                                            (("logits", logits), ("target", target), ("weight", weight)))
+    loss = call.output("loss", (rows,), torch.float32, fill=0.5)   # NaN is an answer here: start from another value
+    lse, row_weight = call.output("lse", (rows,), torch.float32), call.output("row_weight", (rows,), torch.float32)
+    try:
+        _kernels(backend, "cross_entropy").forward(placed, placed_target, placed_weight, loss, lse, row_weight,
+                                                   options["ignore_index"], options["label_smoothing"])
+    except ValueError as error:
+        assert "target" in str(error), error
+    else:
+        assert torch.isnan(loss[invalid]).all(), f"loss of the rows with invalid targets: {loss[invalid]}"
+        expected = reference_cross_entropy(logits[known], target[known], weight=weight, reduction="none", **options)
+        assert_close(loss[known], expected, torch.float32, "loss of the other rows")
+        assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
+        assert torch.equal(row_weight[known], _expected_row_weight(target[known], weight, -100))
+    call.unchanged()
+
+    grad_loss = torch.rand(rows, device=DEVICE) + 0.5
+    try:
+        grad = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, False, True)
+    except ValueError as error:
+        assert "target" in str(error), error
+    else:
+        expected = _expected_gradient(logits[known], target[known], weight, grad_loss[known], options)
+        assert_close(grad[known], expected, torch.float32, "gradient of the other rows")
+
+
+# -- blocksparse.py
+
+# Head 0: block-row 1 holds no block. Head 1: block-row 0 holds only a block right of the diagonal, so with
+# is_causal its rows have no unmasked element (zeros).
+TWO_HEADS = [[[1, 0, 1], [0, 0, 0], [1, 1, 1]],
+             [[0, 0, 1], [1, 1, 0], [0, 1, 1]]]
+
+BLOCKSPARSE_CASES = {
+    "b16": dict(layout=TWO_HEADS, block=16, z=2, scale=0.7),
+    "b32-negative-scale": dict(layout=[[[1, 1], [1, 1]]], block=32, z=1, scale=-0.5),
+    "one-block": dict(layout=[[[1]]], block=16, z=1, scale=1.3),
+    "b64": dict(layout=[[[1, 0], [1, 1]]], block=64, z=1, scale=0.7),
+    "b128": dict(layout=[[[1]]], block=128, z=1, scale=0.7),
+}
+causal_or_not = pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+
+
+def _blocksparse_inputs(dtype, layout, block, z, scale):
+    """(x, layout, look-up table) of a case: x of (z, nnz, block, block) in ``dtype``."""
+    layout = torch.tensor(layout)
+    x = (torch.randn(z, int(layout.sum()), block, block, device=DEVICE) * 2).to(dtype)
+    return x, layout, lookup_table(layout, block, DEVICE)
+
+
+def _check_blocksparse_forward(backend, x, layout, lut, scale, is_causal, lead=GUARD):
+    call = Placement(lead)
+    x = call.input("x", x)
+    out = call.output("out", x.shape, x.dtype)
+    _kernels(backend, "blocksparse").forward(x, out, lut, scale, is_causal)
+    call.unchanged()
+    assert_close(out, reference_blocksparse(x, layout, lut.block, scale, is_causal), x.dtype, "forward")
+
+
+def _check_blocksparse_backward(backend, x, layout, lut, scale, is_causal, lead=GUARD):
+    call = Placement(lead)
+    y = call.input("y", reference_blocksparse(x, layout, lut.block, scale, is_causal).to(x.dtype))
+    dy = call.input("dy", torch.randn(x.shape, device=DEVICE).to(x.dtype))
+    dx = call.output("dx", x.shape, x.dtype)
+    _kernels(backend, "blocksparse").backward(y, dy, dx, lut, scale)
+    call.unchanged()
+    expected, magnitude = reference_blocksparse_backward(y, dy, layout, lut.block, scale)
+    assert_close(dx, expected, x.dtype, "backward", magnitude)
+
+
+@pytest.mark.parametrize("case", list(BLOCKSPARSE_CASES), ids=str)
+@causal_or_not
+@each_dtype
+@on_each_backend
+def test_blocksparse_forward(backend, dtype, is_causal, case):
+    """out = softmax(scale * x) over each row of a block-row's blocks; with is_causal, elements past the diagonal
+    are 0 and a row with nothing unmasked is zeros; x left as it was, nothing written but out."""
+    _skip_unless_runs(backend, dtype)
+    spec = BLOCKSPARSE_CASES[case]
+    x, layout, lut = _blocksparse_inputs(dtype, spec["layout"], spec["block"], spec["z"], spec["scale"])
+    _check_blocksparse_forward(backend, x, layout, lut, spec["scale"], is_causal)
+
+
+@pytest.mark.parametrize("case", list(BLOCKSPARSE_CASES), ids=str)
+@causal_or_not
+@each_dtype
+@on_each_backend
+def test_blocksparse_backward(backend, dtype, is_causal, case):
+    """dx = scale * y * (dy - sum_row(y * dy)), 0 wherever y is 0 (masked elements, rows of zeros); y and dy left
+    as they were, nothing written but dx."""
+    _skip_unless_runs(backend, dtype)
+    spec = BLOCKSPARSE_CASES[case]
+    x, layout, lut = _blocksparse_inputs(dtype, spec["layout"], spec["block"], spec["z"], spec["scale"])
+    _check_blocksparse_backward(backend, x, layout, lut, spec["scale"], is_causal)
+
+
+@causal_or_not
+@on_each_backend
+def test_blocksparse_non_finite_basics(backend, is_causal):
+    """A few rows of the non-finite contract, forward and backward (tests/test_blocksparse_nonfinite.py has them
+    all): some -inf among finite values get 0, a NaN makes its row's unmasked elements NaN, a row of -inf is NaN."""
+    dtype = torch.float32
+    x, layout, lut = _blocksparse_inputs(dtype, TWO_HEADS, 16, 2, 0.7)
+    x[0, 0, 3, ::4] = -INF      # head 0, block-row 0 (blocks 0 and 1), row 3: some -inf
+    x[0, 1, 7, 2] = NAN         # the same block-row, row 7: a NaN in its second block (masked when causal)
+    x[0, 2, 9, 5] = NAN         # head 0, block-row 2 (blocks 2..4), row 9: a NaN in its first block, never masked
+    x[1, 0:2, 11] = -INF        # batch entry 1, head 0, block-row 0, row 11: -inf throughout
+    _check_blocksparse_forward(backend, x, layout, lut, 0.7, is_causal)
+    _check_blocksparse_backward(backend, x, layout, lut, 0.7, is_causal)
+
+
+# -- unaligned tensors: the same calls with every tensor one element past a 16-byte boundary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@on_each_backend
+def test_unaligned_tensors_stay_in_bounds(backend, dtype):
+    """Every op, forward and backward, on tensors whose data starts one element past alignment (contiguous, as the
+    front hands them over, but at an offset into their storage): right answers, nothing written outside them."""
+    _skip_unless_runs(backend, dtype)
+    for log in (False, True):
+        _check_softmax_forward(backend, dtype, (3, 70), log, lead=UNALIGNED)
+        _check_softmax_backward(backend, dtype, (3, 70), log, lead=UNALIGNED)
+    logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES["weighted-smoothed-int32"])
+    rows = logits.shape[0]
+    call = Placement(UNALIGNED)
+    placed, placed_target, placed_weight = (call.input(n, t) for n, t in
+                                            (("logits", logits), ("target", target), ("weight", weight)))
+    loss, lse, row_weight = (call.output(name, (rows,), torch.float32) for name in ("loss", "lse", "row_weight"))
+    _kernels(backend, "cross_entropy").forward(placed, placed_target, placed_weight, loss, lse, row_weight,
+                                               options["ignore_index"], options["label_smoothing"])
+    call.unchanged()
+    assert_close(loss, reference_cross_entropy(logits, target, weight=weight, reduction="none", **options),
+                 torch.float32, "loss")
+    grad_loss = torch.rand(rows, device=DEVICE) + 0.5
+    for in_place in (False, True):
+        grad = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, False, in_place,
+                                       lead=UNALIGNED)
+        assert_close(grad, _expected_gradient(logits, target, weight, grad_loss, options), dtype,
+                     f"grad_logits{' in place' if in_place else ''}")
+    spec = BLOCKSPARSE_CASES["b16"]
+    x, layout, lut = _blocksparse_inputs(dtype, spec["layout"], spec["block"], spec["z"], spec["scale"])
+    _check_blocksparse_forward(backend, x, layout, lut, spec["scale"], True, lead=UNALIGNED)
+    _check_blocksparse_backward(backend, x, layout, lut, spec["scale"], True, lead=UNALIGNED)
