@@ -82,25 +82,31 @@ def reference_cross_entropy(logits, target, **kwargs) -> torch.Tensor:
 
 
 def reference_blocksparse(x, layout, block, scale, is_causal) -> torch.Tensor:
+    """softmax(scale * x) in float64, each row over its unmasked elements (its stored blocks' elements, with
+    is_causal those not past the diagonal) as dense torch.softmax gives it over them: NaN throughout for a NaN or
+    +inf among them or when all are -inf. Masked elements 0; a row with no unmasked element zeros."""
     from ._blocksparse import blocksparse_from_dense, blocksparse_to_dense
 
-    dense = blocksparse_to_dense(x.double() * scale, layout, block, fill=float("-inf"))  # scaled, then masked
+    x64 = x.detach().double()
+    scores = blocksparse_to_dense(x64 * scale, layout, block)
+    unmasked = blocksparse_to_dense(torch.ones_like(x64), layout, block) > 0
     if is_causal:
-        m, n = dense.shape[-2:]
-        dense = dense.masked_fill(torch.ones(m, n, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
-    masked = torch.isinf(dense) & (dense < 0)
-    empty_row = masked.all(-1, keepdim=True)
-    y = torch.softmax(dense.masked_fill(empty_row, 0.0), -1).masked_fill(masked, 0.0)
+        m, n = scores.shape[-2:]
+        unmasked = unmasked & torch.ones(m, n, dtype=torch.bool, device=x.device).tril()
+    # masked elements as -inf add nothing to a row that has an unmasked element; a row with none is all NaN here
+    y = torch.softmax(scores.masked_fill(~unmasked, float("-inf")), -1).masked_fill(~unmasked, 0.0)
     return blocksparse_from_dense(y, layout, block)
 
 
 def reference_blocksparse_backward(y, dy, layout, block, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx = scale * y * (dy - rowsum(y * dy)) in float64, from the forward's output, and its terms' size."""
+    """dx = scale * y * (dy - rowsum(y * dy)) in float64, from the forward's output, 0 wherever y is 0 (masked
+    elements, elements of probability 0, rows of zeros: also in a row whose sum is NaN); and its terms' size."""
     from ._blocksparse import blocksparse_from_dense, blocksparse_to_dense
 
     y64 = blocksparse_to_dense(y.detach().double(), layout, block)
     dy64 = blocksparse_to_dense(dy.detach().double(), layout, block)
     dx, magnitude = _softmax_backward_terms(y64, dy64, -1, False)
+    dx = dx.masked_fill(y64 == 0, 0.0)
     return blocksparse_from_dense(scale * dx, layout, block), blocksparse_from_dense(abs(scale) * magnitude, layout,
                                                                                      block)
 

@@ -11,8 +11,14 @@ NAME = "cupy"
 PRIORITY = 200
 INSTALL = "pip install 'multisoft[cupy-cuda12]' or 'multisoft[cupy-cuda13]'"
 
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernels run
+
 _DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy")
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def simulated() -> bool:
+    """Always False: CuPy has no CPU simulator, its kernels run only on a GPU."""
+    return False
 
 
 def version() -> str | None:
@@ -28,7 +34,7 @@ def version() -> str | None:
 def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cuda":
         return "CuPy runs only on CUDA devices"
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         return f"no CuPy kernels for {dtype}"
     if version() is None or importlib.util.find_spec("cupy") is None:
         return f"cupy is not installed ({INSTALL})"

@@ -6,6 +6,11 @@
 // lane `lane` reads the same column of block s * WB + lane / VPB at step s: its vectors lie one stride apart. A
 // thread holds VPT steps (a tile). A row of one tile is read once and written from registers; a longer row reads
 // its tiles again (the last one excepted).
+// Non-finite scores (backends/README.md): a row's unmasked elements get what dense softmax gives over them, NaN
+// throughout for a NaN or +inf among them or when all are -inf (the shift guards only a max of -inf; the sum is
+// divided unguarded; fmaxf passes NaN over, but a NaN term makes the sum NaN), masked elements 0 (set again in a
+// row that comes out NaN, where their terms are NaN too); a row with no unmasked element, known from the causal
+// prefix, zeros. The backward gives 0 wherever y is 0.
 #include "common.cuh"
 
 template <typename T>
@@ -150,6 +155,16 @@ __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row,
     const uint4 fill = V::splat(scale > 0.f ? -MS_INF : MS_INF);
     const int ntiles = row.template tiles<VPT>();
     float f[VPT][VEC];
+    // Elements 0 .. kept(s) - 1 of the lane's vector at step s are unmasked: none past the row's end, with causal
+    // those up to the diagonal.
+    auto kept = [&](int s) {
+        int keep = row.has(s) ? VEC : 0;
+        if (causal && keep) {
+            const int col = (columns[row.first + row.block(s)] << log2b) + row.col;
+            keep = max(0, min(VEC, row.abs_row - col + 1));
+        }
+        return keep;
+    };
     // scale * x, -inf where masked
     auto scores = [&](int t) {
         uint4 q[VPT];
@@ -161,20 +176,20 @@ __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row,
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             int keep = VEC;  // elements 0 .. keep - 1 are scores
-            if constexpr (MASKED) {
-                const int s = t * VPT + k;
-                keep = row.has(s) ? VEC : 0;
-                if (causal && keep) {
-                    const int col = (columns[row.first + row.block(s)] << log2b) + row.col;
-                    keep = max(0, min(VEC, row.abs_row - col + 1));
-                }
-            }
+            if constexpr (MASKED) keep = kept(t * VPT + k);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 const float v = V::get(q[k], e) * scale;
                 f[k][e] = !MASKED || e < keep ? v : -MS_INF;
             }
         }
+    };
+    // 0 for the masked elements of the lane's vector k of tile t (their terms are NaN in a row that is NaN)
+    auto remask = [&](int t, int k) {
+        const int keep = kept(t * VPT + k);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+            if (e >= keep) f[k][e] = 0.f;
     };
     // Pass 1: running max m and sum s; f ends as exp(score - m) of the last tile (times fix, see ShiftedExp).
     float m = -MS_INF, s = 0.f, fix = 1.f;
@@ -202,7 +217,8 @@ __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row,
         s += acc * fix;
     }
     const float row_max = warp_max(m);
-    if (row_max == -MS_INF) {  // every element masked: zeros
+    // nothing unmasked (no block, or causal and the first block past the diagonal): zeros
+    if (row.blocks == 0 || (causal && (columns[row.first] << log2b) > row.abs_row)) {
 #pragma unroll
         for (int k = 0; k < VPT; ++k)
 #pragma unroll
@@ -213,19 +229,25 @@ __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row,
                 if (row.has(t * VPT + k)) V::template store<VECTOR>(out + row.offset(t * VPT + k), f[k]);
         return;
     }
-    const float inv_sum = 1.f / warp_sum(m == -MS_INF ? 0.f : s * exp_diff(m, row_max));
+    // Only a max of -inf is not the shift (every score -inf: terms 0, 1 / 0, and 0 * inf = NaN throughout). A lane
+    // of -inf only has a sum of 0, or NaN where it holds a NaN (fmaxf passed it over): every lane's sum counts.
+    const float row_shift = row_max == -MS_INF ? 0.f : row_max;
+    const float sum = warp_sum(s * exp_diff(m, row_shift));
+    const float inv_sum = 1.f / sum;
+    const bool nan_row = MASKED && causal && !(fabsf(row_max) < MS_INF && sum == sum);
     // Pass 2: the last tile from registers, the others read again.
-    const float last_factor = m == -MS_INF ? 0.f : exp_diff(m, row_max) * inv_sum * fix;
+    const float last_factor = exp_diff(m, row_shift) * inv_sum * fix;
     const int last = ntiles - 1;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
         if (!row.has(last * VPT + k)) continue;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) f[k][e] *= last_factor;
+        if (nan_row) remask(last, k);
         V::template store<VECTOR>(out + row.offset(last * VPT + k), f[k]);
     }
     if (last < 1) return;
-    const ShiftedExp<T> ex(row_max);
+    const ShiftedExp<T> ex(row_shift);
     const float fixed_inv_sum = ex.unshift(inv_sum);
     for (int t = last - 1; t >= 0; --t) {
         scores(t);
@@ -233,6 +255,7 @@ __device__ __forceinline__ void bs_fwd_row(const T* x, T* out, const BsRow& row,
         for (int k = 0; k < VPT; ++k) {
 #pragma unroll
             for (int e = 0; e < VEC; ++e) f[k][e] = ex(f[k][e]) * fixed_inv_sum;
+            if (nan_row) remask(t, k);
             V::template store<VECTOR>(out + row.offset(t * VPT + k), f[k]);  // every step of a full tile is there
         }
     }
@@ -257,7 +280,8 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_fwd(const T* x, T* out, const int* 
     }
 }
 
-// dx = scale * y * (dy - sum_row(y * dy)) of one row; the last tile stays in registers as raw words.
+// dx = scale * y * (dy - sum_row(y * dy)) of one row, 0 wherever y is 0 (also in a row whose sum is NaN); the last
+// tile stays in registers as raw words.
 template <typename T, int VPT, bool VECTOR>
 __device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const BsRow& row, float scale, int lanes) {
     using V = BsVec<T>;
@@ -290,19 +314,20 @@ __device__ __forceinline__ void bs_bwd_row(const T* y, const T* dy, T* dx, const
             if (!row.has(t * VPT + k)) continue;
             float g[VEC];
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) g[e] = scale * V::get(qy[k], e) * (V::get(qd[k], e) - dot);
+            for (int e = 0; e < VEC; ++e) {
+                const float p = V::get(qy[k], e);
+                g[e] = p == 0.f ? 0.f : scale * p * (V::get(qd[k], e) - dot);
+            }
             V::template store<VECTOR>(dx + row.offset(t * VPT + k), g);
         }
     }
 }
 
-// 2^log2lanes lanes a row (32 / lanes rows of one block-row a warp, ROWS warps a block; LOG2LANES >= 0: that many,
-// known at compile time, -1: log2lanes_ at launch).
-template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0, int LOG2LANES = 5>
+// 2^log2lanes lanes a row, taken at launch (32 / lanes rows of one block-row a warp, ROWS warps a block).
+template <typename T, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) bs_bwd(const T* y, const T* dy, T* dx, const int* offsets, i64 Z, i64 nnz, i64 groups,
-                                 int block_rows, int log2b, float scale, int vec_ok, int log2lanes_) {
+                                 int block_rows, int log2b, float scale, int vec_ok, int log2lanes) {
     static_assert(TPR == 32, "warps of rows");
-    const int log2lanes = LOG2LANES >= 0 ? LOG2LANES : log2lanes_;
     const int lanes = 1 << log2lanes;
     const int lane = threadIdx.x & (lanes - 1);
     const int per_block = ROWS << (5 - log2lanes);
@@ -427,13 +452,14 @@ __device__ __forceinline__ uint4 bs_pack(const float (&f)[BsVec<T>::VEC]) {
     }
 }
 
-// 2^(c * x - t) of a staged vector's elements; PARTIAL (the row's vector that its kept prefix ends in): 0 from
-// element `valid` on.
+// 2^(c * x - t) of a staged vector's elements, times inv; PARTIAL (the row's vector that its kept prefix ends in):
+// 0 from element `valid` on (after the product: in a row that is NaN, inv is NaN).
 template <typename T, bool PARTIAL>
-__device__ __forceinline__ void bs_terms(const uint4& q, float c, float t, int valid, float (&f)[BsVec<T>::VEC]) {
+__device__ __forceinline__ void bs_terms(const uint4& q, float c, float t, int valid, float (&f)[BsVec<T>::VEC],
+                                         float inv = 1.f) {
     constexpr int VEC = BsVec<T>::VEC;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) f[e] = exp2_approx(fmaf(BsVec<T>::get(q, e), c, -t));
+    for (int e = 0; e < VEC; ++e) f[e] = exp2_approx(fmaf(BsVec<T>::get(q, e), c, -t)) * inv;
     if constexpr (PARTIAL) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) f[e] = e < valid ? f[e] : 0.f;
@@ -457,9 +483,7 @@ __device__ __forceinline__ float bs_terms_sum(float acc, const uint4& q, float c
 template <typename T, bool PARTIAL>
 __device__ __forceinline__ void bs_put(T* p, const uint4& q, float c, float t, float inv, int valid) {
     float f[BsVec<T>::VEC];
-    bs_terms<T, PARTIAL>(q, c, t, valid, f);
-#pragma unroll
-    for (int e = 0; e < BsVec<T>::VEC; ++e) f[e] *= inv;
+    bs_terms<T, PARTIAL>(q, c, t, valid, f, inv);
     *reinterpret_cast<uint4*>(p) = bs_pack<T>(f);
 }
 
@@ -476,18 +500,15 @@ __device__ __forceinline__ u32 bs_top(u32 top, const uint4& q, u32 flip, int val
 // and t = c * x* (x* the element of the largest score), exp(scale * x - scale * x*) = 2^(c * x - t) takes one FMA
 // and ex2 per element; t's rounding is common to every term of a row and cancels in the quotient. A row staged in
 // parts keeps its sum s for the t so far and rescales it by 2^(t_old - t_new) with the same rounded t. The rows of a
-// warp run their parts together (the reductions take every lane). 2^log2lanes lanes a row (LOG2LANES >= 0: that
-// many, known at compile time, so that its loops and reductions take constant strides, 0.01-0.04 of copy; -1:
-// log2lanes_ at launch); UNROLL: vectors a lane works on at once in the max and sum passes; MIN_BLOCKS: see
-// MS_ROW_KERNEL_MIN.
-template <typename T, int WARPS, int CAP, int UNROLL = 1, int MIN_BLOCKS = 0, int LOG2LANES = 5>
-MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, const int* offsets, const int* causal_prefix, i64 Z,
-                                        i64 nnz, i64 groups, int log2b, float scale, int causal, int log2lanes_,
-                                        int row_stride) {
+// warp run their parts together (the reductions take every lane). 2^LOG2LANES lanes a row, known at compile time
+// so that its loops and reductions take constant strides (docs/tuning.md).
+template <typename T, int WARPS, int CAP, int LOG2LANES>
+MS_ROW_KERNEL(32 * WARPS) bs_fwd_staged(const T* x, T* out, const int* offsets, const int* causal_prefix, i64 Z,
+                                        i64 nnz, i64 groups, int log2b, float scale, int causal, int row_stride) {
     using V = BsVec<T>;
     constexpr int VEC = V::VEC;
     extern __shared__ uint4 stage[];
-    const int log2lanes = LOG2LANES >= 0 ? LOG2LANES : log2lanes_;
+    const int log2lanes = LOG2LANES;
     const int lanes = 1 << log2lanes;
     const int lane = threadIdx.x & (lanes - 1);
     const int block_rows = WARPS << (5 - log2lanes);  // rows a block works on at once
@@ -514,31 +535,37 @@ MS_ROW_KERNEL_MIN(32 * WARPS, MIN_BLOCKS) bs_fwd_staged(const T* x, T* out, cons
             cp_async_wait_all();
             u32 top = V::splat(-MS_INF).x;
             int v = lane;
-#pragma unroll UNROLL
+#pragma unroll 1
             for (; v < full; v += lanes) top = bs_top<T>(top, buf[v], flip, VEC);
             if (v < count) top = bs_top<T>(top, buf[v], flip, row.kept - (first + v) * VEC);
             // the part's largest score times log2(e): |c| * (the largest flipped x)
             const float top_x = Elem<T>::PER_WORD == 1 ? __uint_as_float(top)
                                                        : fmaxf(Elem<T>::get(top, 0), Elem<T>::get(top, 1));
             const float t_new = fmaxf(t, group_max(top_x * magnitude, lanes));
-            const bool any = t_new != -MS_INF;  // an element kept so far
+            // A score above -inf so far: the shift; else 0, so that the terms are 0 (NaN where fmaxf passed a NaN
+            // over, which makes the row NaN).
+            const bool any = t_new != -MS_INF;
+            const float shift = any ? t_new : 0.f;
             float acc = 0.f;
-            if (any) {
-                v = lane;
-#pragma unroll UNROLL
-                for (; v < full; v += lanes) acc = bs_terms_sum<T, false>(acc, buf[v], c, t_new, VEC);
-                if (v < count) acc = bs_terms_sum<T, true>(acc, buf[v], c, t_new, row.kept - (first + v) * VEC);
-            }
+            v = lane;
+#pragma unroll 1
+            for (; v < full; v += lanes) acc = bs_terms_sum<T, false>(acc, buf[v], c, shift, VEC);
+            if (v < count) acc = bs_terms_sum<T, true>(acc, buf[v], c, shift, row.kept - (first + v) * VEC);
             acc = group_sum(acc, lanes);
             if (any) {
                 s = s * exp2_approx(t - t_new) + acc;
                 t = t_new;
+            } else {
+                s += acc;
             }
         }
         int zeros_from = loaded;
-        if (t == -MS_INF) {
-            zeros_from = 0;  // every element masked
+        if (row.kept == 0) {
+            zeros_from = 0;  // nothing unmasked
         } else {
+            // 1 / s unguarded: a NaN or +inf score makes s NaN, and every score -inf (t = -inf, the terms taken
+            // with t = 0) makes it 0: NaN throughout, as dense softmax
+            if (t == -MS_INF) t = 0.f;
             const float inv = 1.f / s;
             for (int first = 0; first < loaded; first += CAP) {
                 const int count = min(CAP, loaded - first);

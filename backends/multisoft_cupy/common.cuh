@@ -1,5 +1,6 @@
 // Shared device code of the CuPy backend: 16-bit storage types, conversions,
-// vectorised tile loads and stores, and warp/block/cluster reductions.
+// vectorised tile loads and stores, warp/block/cluster reductions, softmax's
+// gradient and the kernels' launch bounds.
 // Needs no CUDA header: NVRTC builds it as it is, for sm_80 and newer.
 #pragma once
 
@@ -374,6 +375,12 @@ __device__ __forceinline__ Stats row_reduce(Stats v) {
         }
         return total;
     }
+}
+
+// Softmax's gradient (softmax_rows.cu, softmax_staged.cu, softmax_split.cu) from y, dy and the row's dot
+// product (sum(dy) for log_softmax, sum(y * dy) for softmax).
+__device__ __forceinline__ float softmax_gradient(float y, float dy, float dot, int log_mode) {
+    return log_mode ? dy - exp_diff(y, 0.f) * dot : y * (dy - dot);
 }
 
 // Launch bounds and, for CLUSTER > 1, the compile-time cluster shape. MIN_BLOCKS

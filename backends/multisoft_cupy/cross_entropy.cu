@@ -85,13 +85,13 @@ MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) ce_fwd_cluster(const T* logits, cons
 // grad[i, c] = g * ((1 - eps) * w[t] * (p[c] - (c == t)) + eps / C * (W * p[c] - w[c])),
 // g = grad_loss[i * grad_stride] (grad_stride 0: one gradient for every row).
 // Block (x, y) handles tiles x, x + gridDim.x, ... of the y-th, (y + gridDim.y)-th, ... rows,
-// counted from the last row with `reverse` (the forward ends there, so those tiles may still be in L2).
+// counted from the last row (the forward ends there, so those tiles may still be in L2).
 // `grad` may be `logits`: every element is read before the same thread writes it.
 template <typename T, typename TI, int THREADS, int VPT, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) ce_bwd(const T* logits, const TI* target, const float* weight,
                                               const float* weight_sum, const float* lse, const float* grad_loss,
                                               i64 grad_stride, T* grad, i64 M, i64 C, i64 ignore_index, float eps,
-                                              int vec_ok, int reverse) {
+                                              int vec_ok) {
     using TL = Tile<T, THREADS, VPT>;
     const int lane = threadIdx.x;
     const i64 ntiles = (C + TL::SIZE - 1) / TL::SIZE;
@@ -99,7 +99,7 @@ MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) ce_bwd(const T* logits, const TI* target,
     const DenseMap map;
     typename TL::Regs v;
     for (i64 step = blockIdx.y; step < M; step += gridDim.y) {
-        const i64 row = reverse ? M - 1 - step : step;
+        const i64 row = M - 1 - step;
         for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
             const i64 start = tile * TL::SIZE;
             // loaded before the row's scalars are known, so that their latencies overlap

@@ -15,7 +15,7 @@ NAME = "numba"
 PRIORITY = 100
 INSTALL = "pip install 'multisoft[numba]'"
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the dtypes the kernels run
 
 
 def _dist_version(name: str) -> str | None:
@@ -25,7 +25,8 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _simulator_on() -> bool:
+def simulated() -> bool:
+    """Whether numba's CUDA simulator is switched on (NUMBA_ENABLE_CUDASIM=1): kernels then run on CPU tensors."""
     return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
@@ -43,18 +44,18 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype not in DTYPES:
         return f"{dtype} is not supported (float32, float16, bfloat16)"
     if device.type == "cpu":
-        return None if _simulator_on() else ("runs on CUDA GPUs (on the CPU only under numba's CUDA simulator, "
-                                             "NUMBA_ENABLE_CUDASIM=1: slow, for tests)")
+        return None if simulated() else ("runs on CUDA GPUs (on the CPU only under numba's CUDA simulator, "
+                                         "NUMBA_ENABLE_CUDASIM=1: slow, for tests)")
     if device.type != "cuda":
         return f"runs on CUDA devices, not {device.type}"
-    if _simulator_on():
+    if simulated():
         return "NUMBA_ENABLE_CUDASIM=1 is set: numba runs its simulator on CPU tensors only"
     return None
 
 
 def notes() -> list[str]:
     lines = []
-    if _simulator_on():
+    if simulated():
         lines.append("NUMBA_ENABLE_CUDASIM=1: kernels run in numba's CUDA simulator (CPU, slow)")
     import numpy
     if not hasattr(numpy, "row_stack"):

@@ -2,7 +2,7 @@
 
 Every value is float32 inside. Kernels read and write rows in vectors of 1 to 8
 elements, one memory access each (row_io, strided_io): the host picks the widest
-vector the rows' lengths and alignment allow (_glue.vector_views). Memory holds
+vector the rows' lengths and alignment allow (_launch.vector_views). Memory holds
 float32 words, or 16-bit elements (float16, bfloat16: numba has neither as an array
 we can use) as int32 pairs or int16. Reductions go through shared memory, which the
 CUDA simulator supports too.
@@ -14,7 +14,7 @@ import math
 import numpy
 from numba import cuda, float32, int16, int32, int64, uint64
 
-from ._glue import SIMULATOR, SM80_EVERYWHERE, device_function
+from ._launch import BF16, FP32, SIMULATOR, SM80_EVERYWHERE, device_function
 from ._intrinsics import fast_exp as expf
 from ._intrinsics import fast_exp2 as exp2f
 from ._intrinsics import float_to_half_bits, half_bits_to_float, vector_access
@@ -67,8 +67,6 @@ def float_to_bf16_bits(v):
 
 
 LOW_HALF = int32(0xFFFF)
-
-FP32, FP16, BF16 = 0, 1, 2   # element formats
 
 
 def word_layout(fmt, width):
@@ -123,7 +121,7 @@ def row_io(fmt, width):
         store_words(array, i, raw)
 
     # The words pass through a local array. Under the simulator that is a numpy array made
-    # here, so that read and write stay plain functions (see _glue.device_function).
+    # here, so that read and write stay plain functions (see _launch.device_function).
     if SIMULATOR:
         def read(array, i, vals, at):
             read_through(array, i, vals, at, numpy.empty(words, word.name))

@@ -14,7 +14,7 @@ import functools
 
 import numpy
 
-from ._glue import SIMULATOR
+from ._launch import SIMULATOR
 
 LOG2E = 1.4426950408889634
 

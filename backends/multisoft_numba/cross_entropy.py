@@ -15,13 +15,10 @@ import functools
 import numpy
 from numba import cuda, float32, uint64
 
+from . import _tuning
 from ._device import (NAN, NEG_INF, block_online_merge, block_sum, expf, kahan_add, logf, online_add_all,
                       row_io, strided_io, word_layout)
-from ._glue import MAX_THREADS, kernel, launch, threads_for, vector_views
-
-UNROLL = 16          # forward: elements per thread per step
-BACKWARD_UNROLL = 16  # backward: elements per thread
-BACKWARD_THREADS = 256
+from ._launch import MAX_THREADS, kernel, launch, threads_for, vector_views
 
 
 @functools.cache
@@ -143,11 +140,11 @@ def _backward(fmt, width, unroll, smooth, has_weight):
 
 def forward(logits, target, weight, loss, lse, row_weight, ignore_index: int, label_smoothing: float) -> None:
     rows, classes = logits.shape
-    threads = threads_for(classes, 4 * UNROLL)
+    threads = threads_for(classes, 4 * _tuning.CE_UNROLL)
     fmt, width, (logit_words,) = vector_views((logits,))
     weight_or_placeholder = weight if weight is not None else loss   # never read when weight is None
     smooth = bool(numpy.float32(label_smoothing))
-    launch(_forward(fmt, width, UNROLL, smooth, weight is not None), rows, threads,
+    launch(_forward(fmt, width, _tuning.CE_UNROLL, smooth, weight is not None), rows, threads,
            (logit_words, target, weight_or_placeholder, loss, lse, row_weight, numpy.int64(ignore_index),
             numpy.float32(label_smoothing)))
 
@@ -155,14 +152,14 @@ def forward(logits, target, weight, loss, lse, row_weight, ignore_index: int, la
 def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index: int,
              label_smoothing: float) -> None:
     rows, classes = logits.shape
-    threads = min(BACKWARD_THREADS, threads_for(classes, BACKWARD_UNROLL))
+    threads = min(_tuning.CE_BACKWARD_THREADS, threads_for(classes, _tuning.CE_BACKWARD_UNROLL))
     fmt, width, (logit_words, grad_words) = vector_views((logits, grad_logits))
-    chunks = -(-(classes // width) // (threads * (BACKWARD_UNROLL // width)))
+    chunks = -(-(classes // width) // (threads * (_tuning.CE_BACKWARD_UNROLL // width)))
     has_weight = weight is not None
     grad_stride = grad_loss.stride(0)
     if grad_stride == 0:   # one gradient for every row: its single element, as a contiguous array
         grad_loss = grad_loss[:1]
-    launch(_backward(fmt, width, BACKWARD_UNROLL, bool(numpy.float32(label_smoothing)), has_weight),
+    launch(_backward(fmt, width, _tuning.CE_BACKWARD_UNROLL, bool(numpy.float32(label_smoothing)), has_weight),
            (rows, chunks), threads,
            (logit_words, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse,
             grad_loss, numpy.int64(grad_stride), grad_words, numpy.int64(ignore_index),

@@ -1,14 +1,20 @@
 """Triton backend: the primary GPU kernels of multisoft.
 
-Importing this package does not import triton; the kernel modules do, on first use.
+Importing this package imports torch, not triton; the op modules (softmax, cross_entropy, blocksparse) do, on first
+use. Their launch glue is _launch, their shared @triton.jit helpers _device, their choices by shape and dtype
+_tuning.
 """
 import importlib.metadata
 import importlib.util
 import os
 
+import torch
+
 NAME = "triton"
 PRIORITY = 300
 INSTALL = "pip install 'multisoft[triton]'"
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def version():
@@ -19,7 +25,8 @@ def version():
         return None
 
 
-def _interpreting():
+def simulated() -> bool:
+    """True when Triton's interpreter runs the kernels on the CPU (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -27,17 +34,15 @@ def unavailable_reason(device, dtype):
     """Why triton cannot run on `device`/`dtype`, or None when it can."""
     if importlib.util.find_spec("triton") is None:
         return f"triton is not installed ({INSTALL})"
-    if dtype is not None and str(dtype) not in ("torch.float32", "torch.float16", "torch.bfloat16"):
+    if dtype is not None and dtype not in DTYPES:
         return f"dtype {dtype} is not supported (float32, float16, bfloat16)"
     kind = getattr(device, "type", str(device).split(":")[0])
     if kind == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             return "torch.cuda is not available"
         return None
     if kind == "cpu":
-        if _interpreting():
+        if simulated():
             return None
         return "runs on CUDA GPUs (on the CPU only under Triton's interpreter, TRITON_INTERPRET=1: slow, for tests)"
     return f"device type {kind!r} is not supported"
@@ -45,7 +50,7 @@ def unavailable_reason(device, dtype):
 
 def notes():
     lines = []
-    if _interpreting():
+    if simulated():
         lines.append("TRITON_INTERPRET=1: kernels run in the triton interpreter on CPU (slow)")
     lines.append("kernels compile on first use for each GPU, dtype and shape class; Triton keeps them in "
                  "~/.triton/cache ($TRITON_CACHE_DIR moves it)")

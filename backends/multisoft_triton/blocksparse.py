@@ -7,7 +7,12 @@ rows a warp); layouts of float32 rows long enough for them take the backward's t
 hold ROWS rows a program as a [BLOCKS, ROWS, B] slab, BLOCKS the power of two that covers the launch's
 longest block-row. When that pads the slabs enough less (a causal layout's block-rows run from one block
 to all), the block-rows are grouped by their block count's power of two, one launch per group (decided
-once per layout). Rows with no unmasked element give zeros.
+once per layout). The settings in capitals are in _tuning.
+
+Non-finite scores follow backends/README.md: a row's unmasked elements get what dense softmax gives over them
+(NaN throughout for a NaN or +inf among them, or when all are -inf: the shift guards only a max of -inf, and the
+sum is divided unguarded), masked elements 0 (causal: a select in programs with such a row or one with no unmasked
+element); the backward gives 0 wherever y is 0 (a select).
 """
 import weakref
 
@@ -15,15 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import LAUNCH, fast_exp2, next_power_of_2, on_device, safe_shift, warps_for, widen
+from . import _tuning
+from ._device import fast_exp2, safe_shift, widen
+from ._launch import LAUNCH, next_power_of_2, on_device, warps_for
 
-TILE_MAX = 16384
-TILE_ELEMENTS = 2048
-LOOP_ROWS = 16
-# Group the block-rows by length (one launch per power of two of their block count) when that pads the slabs by
-# this share less, by element size (tuning/triton-fwd-buckets-round1.txt).
-BUCKETS_SAVE = {4: 0.3, 2: 0.3}
 MAX_GRID_Z = 65535  # a CUDA grid's second axis
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -60,13 +62,26 @@ def _longest(rows_ptr, rows, ROWS: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
+def _any_not_finite(v):
+    """Whether any of the per-row values v is NaN or infinite (a scalar, for a branch the whole program takes)."""
+    return tl.min((tl.abs(v) < float("inf")).to(tl.int32), axis=0) == 0
+
+
+@triton.jit
+def _grad(y, dy, dot, scale):
+    """scale * y * (dy - dot), 0 wherever y is 0 (masked elements, zero probabilities), also in a row whose dot is
+    NaN (a select: guarding it by the programs' dots instead, a reduction over its rows, was no faster)."""
+    return tl.where(y == 0.0, 0.0, scale * y * (dy - dot))
+
+
+@triton.jit
 def _bwd_tile_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, rows, nnz, scale,
                      BLOCKS: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr):
     offsets, mask = _slab(rows_ptr, rows, nnz, 0, BLOCKS, ROWS, B)
     y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dot = tl.sum(tl.sum(y * dy, axis=2), axis=0)
-    dx = scale * y * (dy - dot[None, :, None])
+    dx = _grad(y, dy, dot[None, :, None], scale)
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,55 +99,17 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, rows_ptr, rows, nnz, scale,
         offsets, mask = _slab(rows_ptr, rows, nnz, first, BLOCKS, ROWS, B)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dx = scale * y * (dy - dot[None, :, None])
+        dx = _grad(y, dy, dot[None, :, None], scale)
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# Row kernels: a program holds ROW_WARPS rows of one block-row (a warp's worth of threads each, laid out by ROW_INNER),
-# the first blocks of each in registers and the rest, if any, streamed twice; no power-of-two padding of whole rows,
-# which the tile kernels pay on layouts whose block-rows differ in length (causal). A row holds ROW_HELD elements
-# (ROW_HELD_LONG where the layout's mean row is ROW_LONG or more), at least ROW_MIN_BLOCKS blocks by element size, at
-# most the power of two covering its mean row. The backward's float32 layouts whose mean row is TILES_FROM or more take
-# the tile kernels. Measured on an H200 in sessions 14 and 15 (tuning/triton-blocksparse-rows-*.txt), backward: 512 held
-# against 1024 (152 registers, 3 programs a multiprocessor, against 80 and 6) on the 25 % layouts, fp32 0.93-0.98
-# against 0.83-0.87, bf16 0.77-0.84 against 0.70-0.77; 1024 at 50 % (bf16 0.85 against 0.81) and at B = 128 in float32
-# (0.98-0.99 against 0.85-0.94), the tile kernels at fp32 50 % (0.96-1.01 against 0.91-0.93).
-ROW_BACKWARD = "rows"   # "rows", or "tiles" for the tile and loop kernels only
-ROW_HELD, ROW_HELD_LONG, ROW_LONG = 512, 1024, 2048
-ROW_MIN_BLOCKS = {4: 8, 2: 4}
-TILES_FROM = {4: 2048, 2: float("inf")}
-ROW_WARPS = 4
-# The forward takes the row kernel on every layout, one row a program (not ROW_WARPS) for blocks of
-# FORWARD_ONE_ROW_FROM or more by element size, and where the mean row is ROW_LONG or more. Measured on an H200 in
-# session 18 (tuning/triton-blocksparse-lean-round*.txt), against session 16's row kernel (scores in natural units)
-# where it was taken and the tile kernels elsewhere: bf16 0.57-0.77 -> 0.63-0.81 of copy, fp32 0.73-0.91 -> 0.84-0.96;
-# one row a program against 4: fp32 b64 +0.01-0.04, bf16 b128 +0.02-0.05, 50 % fp32 0.93 -> 0.95 (causal 0.80 ->
-# 0.84); bf16 b16-b64 0.01-0.14 slower but causal b64 (+0.02). 8 or 2 rows a program, 2 or 4 on the long rows, and
-# holding 256 or 1024 elements lost.
-FORWARD_ONE_ROW_FROM = {4: 64, 2: 128}
-# Layouts whose mean row is FORWARD_ACROSS_UNTIL elements or less (by element size) take the forward with its rows
-# across a warp's lanes: FORWARD_ACROSS_WARPS warps a program, as many rows as fill their lanes with the rows'
-# 16-byte pieces of a block, FORWARD_ACROSS_BLOCKS blocks of each row held (a piece each a thread), the rest
-# streamed twice. Measured on an H200 (tuning/triton-blocksparse-across.txt), against the row kernel: the 11 %
-# layouts (mean row 450) bf16 0.76 -> 0.81 (2 blocks; causal 0.62 -> 0.74), float32 causal 0.87 -> 0.91 (4 blocks;
-# full 0.955 -> 0.947); the 25-50 % layouts lost 0.03-0.40 (they hold a smaller share of their rows), and so did
-# 2 or 4 warps a program.
-FORWARD_ACROSS_UNTIL = {4: 512, 2: 512}
-FORWARD_ACROSS_WARPS = 1
-FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
-LOG2E = 1.4426950408889634
-ROW_RAW = True   # 16-bit rows held as loaded, widened again for the output (utils.widen): 51 registers, not 67;
-#                  bf16 0.77-0.87 -> 0.82-0.93 of copy (tuning/blocksparse-raw-rows-round2.txt)
-# The row kernels' slab is [BLOCKS // INNER, ROWS, INNER, B]: INNER blocks of a row lie side by side in a warp's lanes
-# (ROW_INNER by direction and element size; None: as many as fill its 32 lanes, a warp a row, whose max and sum are
-# then warp shuffles). With fewer, a warp's lanes take several rows and a row spreads over several warps, its
-# reductions through shared memory. Measured on an H200 in session 23 (tuning/triton-blocksparse-warp-rows.txt),
-# each comparison within one run: the forward's bf16 rows at 2 blocks against a warp a row, causal +0.03-0.05, b64
-# +0.015, the rest level; float32 a warp a row (level with the slab before, [ROWS, BLOCKS, B], which spread a row
-# over two warps; 4 blocks lost 0.07 at 51 % causal); the backward at 2 blocks, level with the slab before, where a
-# warp a row read 0.04 lower at b32 and b64 (bf16) and up to 0.05 higher at 50 %, and 1 or 4 blocks lost. Runs on
-# different machines differ by up to 0.05 in these cells.
-ROW_INNER = {"forward": {4: None, 2: 2}, "backward": {4: 2, 2: 2}}
+# Row kernels: a program holds ROW_WARPS rows of one block-row (a warp's worth of threads each), the first blocks of
+# each in registers and the rest, if any, streamed twice; no power-of-two padding of whole rows, which the tile kernels
+# pay on layouts whose block-rows differ in length (causal). A row holds ROW_HELD elements (ROW_HELD_LONG where the
+# layout's mean row is ROW_LONG or more), at least ROW_MIN_BLOCKS blocks, at most the power of two covering its mean
+# row. Their slab is [BLOCKS // INNER, ROWS, INNER, B]: INNER blocks of a row lie side by side in a warp's lanes
+# (ROW_INNER; None: as many as fill its 32 lanes, a warp a row, whose max and sum are then warp shuffles). With fewer,
+# a warp's lanes take several rows and a row spreads over several warps, its reductions through shared memory.
 
 
 @triton.jit
@@ -200,10 +177,10 @@ def _bwd_rows_kernel(y_ptr, dy_ptr, dx_ptr, offsets_ptr, nnz, scale, zero,
         offsets, mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
         y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dx = scale * y * (dy - _per_row(dot))
+        dx = _grad(y, dy, _per_row(dot), scale)
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
-    dx0 = scale * widen(y0, zero, RAW) * (widen(dy0, zero, RAW) - _per_row(dot))
+    dx0 = _grad(widen(y0, zero, RAW), widen(dy0, zero, RAW), _per_row(dot), scale)
     tl.store(dx_ptr + offsets, dx0.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -212,6 +189,13 @@ def _causal_kept(causal_ptr, group, i, B: tl.constexpr):
     """Elements of rows i of block-row `group` that the causal mask keeps, a prefix of each row (lut.causal)."""
     c = tl.load(causal_ptr + group)
     return (c >> 1) * B + (c & 1) * (i + 1)
+
+
+@triton.jit
+def _row_kept(kept, first_block, BLOCKS: tl.constexpr, B: tl.constexpr, INNER: tl.constexpr):
+    """Where a slab of _row_slab from block first_block lies in its rows' kept prefixes (the causal mask)."""
+    position = _row_blocks_at(first_block, BLOCKS, INNER)[:, None, :, None] * B + tl.arange(0, B)
+    return position < _per_row(kept)
 
 
 @triton.jit
@@ -226,8 +210,7 @@ def _row_values(x_ptr, offsets, mask, kept, first_block, SIGN: tl.constexpr, BLO
         worst = -float("inf")
     x = tl.load(x_ptr + offsets, mask=mask, other=worst)
     if CAUSAL:
-        position = _row_blocks_at(first_block, BLOCKS, INNER)[:, None, :, None] * B + tl.arange(0, B)
-        keep = position < _per_row(kept)
+        keep = _row_kept(kept, first_block, BLOCKS, B, INNER)
         mask = mask & keep
         if SIGN != 0:
             x = tl.where(keep, x, tl.full(x.shape, worst, x.dtype))   # as loaded (a float would widen it)
@@ -247,13 +230,20 @@ def _row_top(x, c, SIGN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl.constexpr,
+def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOCKS: tl.constexpr,
                      ROWS: tl.constexpr, B: tl.constexpr, CAUSAL: tl.constexpr, SIGN: tl.constexpr,
                      INNER: tl.constexpr):
     """softmax(scale * x) in log2 units, c = scale * log2 e (1 for a zero scale, whose scores _row_values gives):
     the max is taken on the values as loaded and each term is 2**(c * x - t), one multiply-add and one ex2, t the
     running max of c * x. The held blocks' terms stay in registers; the rest of a longer row is streamed for an
-    online max and sum, then again for its output. INNER: the slab's layout (_row_slab)."""
+    online max and sum, then again for its output. INNER: the slab's layout (_row_slab). The shift is the max
+    but where that is -inf (safe_shift), never where it is +inf or NaN, and the sum's inverse is taken unguarded, so
+    that a row's unmasked elements come out as dense softmax gives them (NaN throughout for a NaN or +inf among them,
+    or when all are -inf). The causal mask's elements come out 0 but in such a row, or one with nothing unmasked
+    (max -inf, sum 0: 0 * inf): where the program has one, they are set to 0 (a select the others leave out). The
+    held part's mask is then formed again from `zero`, a run-time 0: from 0 itself the compiler kept the load's
+    mask alive through the streaming loops (on an H200, 80 registers, not 63, and the causal bf16 forward 26 %
+    slower; this way it is level with the kernel without the select)."""
     group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     kept = i
     if CAUSAL:
@@ -273,29 +263,37 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, BLOCKS: tl
         run_sum = run_sum * fast_exp2(run_max - shift) + _row_sum(terms)
         run_max = new_max
     safe_max = safe_shift(run_max)
-    inverse = tl.where(run_sum > 0.0, 1.0 / run_sum, 0.0)
+    inverse = 1.0 / run_sum
+    remask = False
+    if CAUSAL:
+        remask = _any_not_finite(run_max + inverse)
     for first in range(BLOCKS, count, BLOCKS):
         part, part_mask = _row_slab(start, count, i, nnz, first, BLOCKS, ROWS, B, INNER)
         x = _row_values(x_ptr, part, part_mask, kept, first, SIGN, BLOCKS, B, CAUSAL, INNER)
         y = fast_exp2(x.to(tl.float32) * c - _per_row(safe_max)) * _per_row(inverse)
+        if remask:
+            y = tl.where(_row_kept(kept, first, BLOCKS, B, INNER), y, 0.0)
         tl.store(out_ptr + part, y.to(out_ptr.dtype.element_ty), mask=part_mask)
     offsets, mask = _row_slab(start, count, i, nnz, 0, BLOCKS, ROWS, B, INNER)
-    # 2**(c * x0 - safe_max) = e0 * 2**(held_max - safe_max); a held part with no unmasked element gives 0
+    # 2**(c * x0 - safe_max) = e0 * 2**(held_max - safe_max): 0 where the held part is -inf only (or masked) and
+    # the row is not NaN
     y0 = e0 * _per_row(fast_exp2(held_max - safe_max) * inverse)
+    if remask:
+        y0 = tl.where(_row_kept(kept, zero, BLOCKS, B, INNER), y0, 0.0)
     tl.store(out_ptr + offsets, y0.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_blocks(lut, element_size):
     """Blocks of each row that the row kernels hold (see ROW_HELD)."""
     mean_row = lut.mean_blocks * lut.block
-    held = ROW_HELD_LONG if mean_row >= ROW_LONG else ROW_HELD
-    return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, ROW_MIN_BLOCKS[element_size]))
+    held = _tuning.ROW_HELD_LONG if mean_row >= _tuning.ROW_LONG else _tuning.ROW_HELD
+    return min(next_power_of_2(lut.mean_blocks), max(held // lut.block, _tuning.ROW_MIN_BLOCKS[element_size]))
 
 
 def _row_inner(direction, element_size, block, blocks):
     """INNER of the row kernels' slab (_row_slab): blocks of a row side by side in a warp's lanes, a 16-byte piece
     each, by ROW_INNER, or as many as fill the warp's 32 lanes; at most the `blocks` held."""
-    inner = ROW_INNER[direction][element_size] or 32 * 16 // (element_size * block)
+    inner = _tuning.ROW_INNER[direction][element_size] or 32 * 16 // (element_size * block)
     return max(1, min(blocks, inner))
 
 
@@ -327,10 +325,10 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=N
 def _plan(blocks, block):
     """(tile?, blocks per slab, rows per program) for block-rows of up to `blocks` (a power of 2) blocks."""
     widest = blocks * block
-    if widest <= TILE_MAX:
-        return True, blocks, max(1, TILE_ELEMENTS // widest)
-    rows = min(block, LOOP_ROWS)
-    return False, max(1, TILE_ELEMENTS // (rows * block)), rows
+    if widest <= _tuning.BLOCKSPARSE_TILE_MAX:
+        return True, blocks, max(1, _tuning.BLOCKSPARSE_TILE_ELEMENTS // widest)
+    rows = min(block, _tuning.BLOCKSPARSE_LOOP_ROWS)
+    return False, max(1, _tuning.BLOCKSPARSE_TILE_ELEMENTS // (rows * block)), rows
 
 
 def _padded(counts, block):
@@ -376,8 +374,9 @@ def _schedule(lut, save):
     return launches
 
 
-def _launch(kernels, lut, tensors, scale):
-    save = BUCKETS_SAVE[tensors[0].element_size()]
+def _launch_tiles(kernels, lut, tensors, scale):
+    """The tile and loop kernels (`kernels`) over the launches of _schedule."""
+    save = _tuning.BUCKETS_SAVE[tensors[0].element_size()]
     with on_device(tensors[0]):
         for part in _batch_parts(tensors):
             for table, groups, (tile, blocks, rows) in _schedule(lut, save):
@@ -388,25 +387,28 @@ def _launch(kernels, lut, tensors, scale):
 
 
 def forward(x, out, lut, scale, is_causal):
-    """out = softmax(scale * x) over each row of each block-row (causal mask optional)."""
+    """out = softmax(scale * x) over each row of each block-row (causal mask optional), on the row kernel: its rows
+    across a warp's lanes where the mean row is FORWARD_ACROSS_UNTIL or less, otherwise ROW_WARPS rows a program, one
+    for blocks of FORWARD_ONE_ROW_FROM or more and where the mean row is ROW_LONG or more."""
     sign = (scale > 0) - (scale < 0)
     size = x.element_size()
-    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal)
-    if lut.mean_blocks * lut.block <= FORWARD_ACROSS_UNTIL[size]:
+    args = (_fwd_rows_kernel, lut, (x, out), scale * LOG2E if sign else 1.0, lut.causal, 0)
+    if lut.mean_blocks * lut.block <= _tuning.FORWARD_ACROSS_UNTIL[size]:
         # the warps' lanes hold 16-byte pieces of their rows' blocks: B * size / 16 lanes a row
-        rows = min(lut.block, max(1, FORWARD_ACROSS_WARPS * 32 * 16 // (lut.block * size)))
-        blocks = min(next_power_of_2(lut.mean_blocks), FORWARD_ACROSS_BLOCKS[size])
-        _launch_rows(*args, rows=rows, warps=FORWARD_ACROSS_WARPS, blocks=blocks, across=True,
-                     CAUSAL=bool(is_causal), SIGN=sign)
+        warps = _tuning.FORWARD_ACROSS_WARPS
+        rows = min(lut.block, max(1, warps * 32 * 16 // (lut.block * size)))
+        blocks = min(next_power_of_2(lut.mean_blocks), _tuning.FORWARD_ACROSS_BLOCKS[size])
+        _launch_rows(*args, rows=rows, warps=warps, blocks=blocks, across=True, CAUSAL=bool(is_causal), SIGN=sign)
         return
-    one_row = lut.block >= FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= ROW_LONG
-    _launch_rows(*args, rows=1 if one_row else ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign)
+    one_row = lut.block >= _tuning.FORWARD_ONE_ROW_FROM[size] or lut.mean_blocks * lut.block >= _tuning.ROW_LONG
+    _launch_rows(*args, rows=1 if one_row else _tuning.ROW_WARPS, CAUSAL=bool(is_causal), SIGN=sign)
 
 
 def backward(y, dy, dx, lut, scale):
-    """dx = scale * y * (dy - sum_row(y * dy))."""
-    if ROW_BACKWARD == "rows" and lut.mean_blocks * lut.block < TILES_FROM[y.element_size()]:
-        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale, 0, rows=ROW_WARPS,
-                     RAW=ROW_RAW and y.element_size() == 2)
+    """dx = scale * y * (dy - sum_row(y * dy)): the row kernel, or the tile and loop kernels for layouts whose mean
+    row is TILES_FROM or more."""
+    if lut.mean_blocks * lut.block < _tuning.TILES_FROM[y.element_size()]:
+        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale, 0, rows=_tuning.ROW_WARPS,
+                     RAW=_tuning.ROW_RAW and y.element_size() == 2)
         return
-    _launch((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale)
+    _launch_tiles((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale)

@@ -9,16 +9,9 @@ A target outside [0, C) that is not ignore_index is never loaded; its loss is Na
 import triton
 import triton.language as tl
 
-from .utils import LAUNCH, fast_exp, next_power_of_2, on_device, online_max, safe_shift, warps_for
-
-TILE_MAX = 8192
-TILE_ELEMENTS = 8192
-# A long row's forward program, by element size: (columns it loads at once, num_warps). Measured on an H200
-# (tuning/triton-ce-loop-round1.txt): bf16 (8192, 4) against (16384, 8), forward 8192x32000 0.84 -> 0.88 of copy,
-# 8192x128256 0.97 -> 1.01; float32 level.
-LOOP_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
-LOOP_STAGES = None  # loads in flight per program (2+: pipelined through shared memory; None: triton decides)
-BACKWARD_BLOCK = 8192  # columns (and elements) of one backward program; 8192 measured best on the H200
+from . import _tuning
+from ._device import fast_exp, online_max, safe_shift
+from ._launch import LAUNCH, next_power_of_2, on_device, warps_for
 
 
 @triton.jit
@@ -73,8 +66,7 @@ def _fwd_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_
 
 @triton.jit
 def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, C, ignore_index,
-                     keep, smooth_per_class, BLOCK: tl.constexpr, STAGES: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     SMOOTH: tl.constexpr):
+                     keep, smooth_per_class, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_start = row * C
     cols = tl.arange(0, BLOCK)
@@ -84,7 +76,7 @@ def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_
     ref = tl.zeros((), tl.float32)
     shifted_sum = tl.zeros((), tl.float32)
     weight_seen = tl.zeros((), tl.float32)
-    for start in tl.range(0, C, BLOCK, num_stages=STAGES):
+    for start in tl.range(0, C, BLOCK):
         mask = start + cols < C
         x = tl.load(logits_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
         run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
@@ -162,17 +154,17 @@ def forward(logits, target, weight, loss, lse, row_weight, ignore_index, label_s
     weight_arg = weight if has_weight else lse
     block = next_power_of_2(C)
     with on_device(logits):
-        if block <= TILE_MAX:
-            rows = max(1, min(TILE_ELEMENTS // block, next_power_of_2(M)))
+        if block <= _tuning.CE_TILE_MAX:
+            rows = max(1, min(_tuning.CE_TILE_ELEMENTS // block, next_power_of_2(M)))
             _fwd_tile_kernel[(triton.cdiv(M, rows),)](
                 logits, target, weight_arg, loss, lse, row_weight, M, C, int(ignore_index), keep, smooth_per_class,
                 ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth,
                 num_warps=warps_for(rows * block), **LAUNCH)
         else:
-            loop_block, warps = LOOP_CONFIGS[logits.element_size()]
+            loop_block, warps = _tuning.CE_LOOP_CONFIGS[logits.element_size()]
             _fwd_loop_kernel[(M,)](
                 logits, target, weight_arg, loss, lse, row_weight, C, int(ignore_index), keep, smooth_per_class,
-                BLOCK=loop_block, STAGES=LOOP_STAGES, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps, **LAUNCH)
+                BLOCK=loop_block, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps, **LAUNCH)
 
 
 def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing):
@@ -182,8 +174,8 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
         return
     keep, smooth_per_class, smooth = _coefficients(label_smoothing, C)
     has_weight = weight is not None
-    block = min(next_power_of_2(C), BACKWARD_BLOCK)
-    rows = max(1, min(BACKWARD_BLOCK // block, next_power_of_2(M)))
+    block = min(next_power_of_2(C), _tuning.CE_BACKWARD_BLOCK)
+    rows = max(1, min(_tuning.CE_BACKWARD_BLOCK // block, next_power_of_2(M)))
     grid = (triton.cdiv(M, rows), triton.cdiv(C, block))
     with on_device(logits):
         _bwd_kernel[grid](

@@ -2,7 +2,7 @@
 
 Three paths, chosen by the row length N:
 
-- tile: next_power_of_2(N) <= *_TILE_MAX; a program holds a whole tile of rows
+- tile: next_power_of_2(N) <= SOFTMAX_*_TILE_MAX; a program holds a whole tile of rows
   (several short rows per program) and reads and writes each element once. The
   16-bit forward of rows of 32768 (PREFETCH_FROM) runs as persistent programs
   that load their next row while they reduce and store the current one.
@@ -16,7 +16,7 @@ Three paths, chosen by the row length N:
   after another and cannot wait for each other.
 
 The 16-bit backward holds long rows' values as loaded rather than as floats
-(RAW_FROM), half the registers.
+(RAW_FROM), half the registers. The settings named here are in _tuning.
 """
 import math
 
@@ -24,49 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import (LAUNCH, fast_exp, interpreting, next_power_of_2, on_device, online_max, safe_shift, sm_count,
-                    warps_for, widen)
-
-# The longest row a tile holds, by element size. Chosen on an H200 (triton 3.6): a float32
-# backward tile of 32768 columns reached 0.75 of copy bandwidth, the split path 0.97; a bf16
-# forward tile of 32768 columns (one program per SM, its loads and stores not overlapped) 0.74.
-FORWARD_TILE_MAX = {4: 32768, 2: 32768}
-BACKWARD_TILE_MAX = {4: 16384, 2: 32768}
-TILE_ELEMENTS = {4: 4096, 2: 8192}  # elements of one program's tile, by element size
-LOOP_BLOCK = 4096
-SPLIT_CONFIGS = ((4096, 4), (8192, 8), (16384, 8))  # (chunk, num_warps): the first needing few enough chunks
-SPLIT_TICKET = True
-SPLIT_COUNTER_STRIDE = 32  # int32s between the per-row counters: one 128-byte line each
-# By element size: (chunk, sub-block, num_warps, stages) of the streaming split forward; absent: the
-# chunk held in registers. Measured on an H200 (benchmarks/results/tuning/triton-split-stream-round*.txt): bf16 rows of
-# 131072 and 262144, 0.63 -> 0.69 of copy; float32 and pipelined loads (stages > 1) were slower.
-SPLIT_STREAM = {2: (8192, 2048, 4, 1)}
-# The backward paths whose programs hold 16-bit tiles or chunks as loaded, one register per two values,
-# and widen them to float32 again after the row's reduction (utils.widen_again) instead of keeping floats,
-# two registers: the row length (next power of 2) from which each does. Measured on an H200
-# (benchmarks/results/tuning/triton-raw-round*.txt), bf16: 4096x32768 0.92 -> 0.99, 1024x131072
-# 0.79 -> 0.89, 512x262144 0.75 -> 0.87; shorter tiles 0.5 % slower. Forward tiles and held chunks were
-# slower held as loaded (4096x32768 0.74 -> 0.63, log_softmax too: twice the instructions per element).
-RAW_FROM = {"backward tile": 16384, "backward split": 0}
-# Registers a thread of the split forward kernels may take (ptxas .maxnreg), by element size: more programs
-# per multiprocessor while they wait for their rows, a few values of each waiting in local memory (L1) instead.
-# float32: 56 -> 48 registers, 9 -> 10 programs, 5 values spilled. Measured on an H200
-# (benchmarks/results/tuning/triton-split-cap-round1.txt), rows of 131072 and 262144: float32 0.83-0.86 ->
-# 0.85-0.87, bf16 (the streaming kernel) 0.69-0.71 -> 0.70-0.74; tighter caps spilled more and lost, and the
-# backward lost at every cap.
-SPLIT_FORWARD_MAXNREG = {4: 48, 2: 40}
-# Whether the log_softmax split backward loads y after publishing its chunk's sum(dy), while it waits for the row,
-# by element size. Measured on an H200 (tuning/late-y-round1.txt): bf16 1024x131072 0.86 -> 0.89, 512x262144
-# 0.84 -> 0.88; float32 mixed (+0.02 at 131072, -0.01 at 32768 and 262144).
-SPLIT_LATE_Y = {4: False, 2: True}
-# Forward tiles of one row of PREFETCH_FROM columns or more (next power of 2), by element size, run as persistent
-# programs that hold PREFETCH_SM_ELEMENTS elements a multiprocessor and load their next row, as loaded, before they
-# reduce and store the current one. Measured on an H200 (tuning/triton-prefetch-round*.txt), bf16 4096x32768: 0.77 ->
-# 0.88-0.89 of copy, log_softmax 0.76 -> 0.87 (one program a multiprocessor, whose loads and stores did not overlap);
-# staging the next row in shared memory through the pipeliner instead (tl.range num_stages 2-3) 0.65-0.82; shorter
-# bf16 rows (8192, 16384: several programs a multiprocessor already overlap) and float32 (spills) lost or were level.
-PREFETCH_FROM = {2: 32768}
-PREFETCH_SM_ELEMENTS = 32768
+from . import _tuning, simulated
+from ._device import fast_exp, online_max, safe_shift, widen
+from ._launch import LAUNCH, next_power_of_2, on_device, sm_count, warps_for
 
 
 @triton.jit
@@ -131,14 +91,11 @@ def _fwd_loop_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, LOG: tl.constexpr):
 
 
 @triton.jit
-def _claim_chunk(count_ptr, N, chunks, CHUNK: tl.constexpr, TICKET: tl.constexpr):
+def _claim_chunk(count_ptr, N, chunks, CHUNK: tl.constexpr):
     """This program's chunk: its row, its ticket (the chunk's index over all rows), offsets and mask.
-    With TICKET the ticket is taken in start order from a counter, so the programs waiting on a row
-    never keep that row's remaining chunks from starting."""
-    if TICKET:
-        ticket = tl.atomic_add(count_ptr, 1).to(tl.int64)
-    else:
-        ticket = tl.program_id(0).to(tl.int64)
+    The ticket is taken in start order from a counter, so the programs waiting on a row never keep
+    that row's remaining chunks from starting."""
+    ticket = tl.atomic_add(count_ptr, 1).to(tl.int64)
     row = ticket // chunks
     cols = (ticket % chunks) * CHUNK + tl.arange(0, CHUNK)
     return row, ticket, row * N + cols, cols < N
@@ -182,9 +139,8 @@ def _row_statistics(max_ptr, sum_ptr, count_ptr, row, chunks, CHUNKS_P2: tl.cons
 
 @triton.jit
 def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
-                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr):
-    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
+                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, COUNTER_STRIDE: tl.constexpr):
+    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK)
     x = tl.load(x_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
     local_max = tl.max(x, axis=0)
     tl.store(max_ptr + ticket, local_max)
@@ -201,16 +157,16 @@ def _fwd_split_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CH
 @triton.jit
 def _fwd_split_stream_kernel(x_ptr, out_ptr, max_ptr, sum_ptr, count_ptr, N, chunks, CHUNK: tl.constexpr,
                              SUB: tl.constexpr, STAGES: tl.constexpr, CHUNKS_P2: tl.constexpr,
-                             LOG: tl.constexpr, TICKET: tl.constexpr, COUNTER_STRIDE: tl.constexpr):
+                             LOG: tl.constexpr, COUNTER_STRIDE: tl.constexpr):
     """The split forward with its chunk not held in registers (which keep 16-bit data as floats): streamed
     in SUB-element steps for the statistics, and again, mostly from L2, for the output. STAGES > 1
     pipelines the loads through shared memory."""
-    row, ticket, _, _ = _claim_chunk(count_ptr, N, chunks, 1, TICKET)
+    row, ticket, _, _ = _claim_chunk(count_ptr, N, chunks, 1)
     row_start = row * N
     cols = (ticket % chunks) * CHUNK + tl.arange(0, SUB)
     # The statistics pass keeps a running (max, sum) per 16-byte vector of a step ([SUB // VEC, VEC], each row
     # one thread's load), so a step reduces within threads and the chunk's are combined once, instead of a
-    # block-wide max and sum per step (H200, tuning/triton-stream-lanes-round1.txt: bf16 0.72 -> 0.74).
+    # block-wide max and sum per step (docs/tuning.md, SPLIT_STREAM).
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     lanes = (ticket % chunks) * CHUNK + tl.arange(0, SUB // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     lane_max = tl.full((SUB // VEC,), -float("inf"), tl.float32)
@@ -291,9 +247,9 @@ def _bwd_loop_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK: tl.constexpr, LOG: tl.cons
 
 @triton.jit
 def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, zero, CHUNK: tl.constexpr,
-                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, TICKET: tl.constexpr,
-                      COUNTER_STRIDE: tl.constexpr, RAW: tl.constexpr, LATE_Y: tl.constexpr):
-    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK, TICKET)
+                      CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, COUNTER_STRIDE: tl.constexpr,
+                      RAW: tl.constexpr, LATE_Y: tl.constexpr):
+    row, ticket, offsets, mask = _claim_chunk(count_ptr, N, chunks, CHUNK)
     counter_ptr = count_ptr + (row + 1) * COUNTER_STRIDE
     dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
     if LOG and LATE_Y:
@@ -314,7 +270,7 @@ def _bwd_split_kernel(y_ptr, dy_ptr, dx_ptr, sum_ptr, count_ptr, N, chunks, zero
 
 
 def _tile_rows(x, block):
-    return max(1, min(TILE_ELEMENTS[x.element_size()] // block, next_power_of_2(x.shape[0])))
+    return max(1, min(_tuning.SOFTMAX_TILE_ELEMENTS[x.element_size()] // block, next_power_of_2(x.shape[0])))
 
 
 def _split_config(x, N):
@@ -323,11 +279,11 @@ def _split_config(x, N):
     A row's chunks wait for each other. Programs take their (row, chunk) in start
     order from a ticket counter, so only the newest row can miss chunks that have
     not started: a row must not have more chunks than programs can run at once
-    (at least one per multiprocessor). Without the ticket, keep a margin of half."""
-    if interpreting() or not x.is_cuda:
+    (at least one per multiprocessor)."""
+    if simulated() or not x.is_cuda:
         return None
-    most_chunks = sm_count(x) if SPLIT_TICKET else sm_count(x) // 2
-    for chunk, warps in SPLIT_CONFIGS:
+    most_chunks = sm_count(x)
+    for chunk, warps in _tuning.SPLIT_CONFIGS:
         if triton.cdiv(N, chunk) <= most_chunks:
             return chunk, warps
     return None
@@ -335,12 +291,12 @@ def _split_config(x, N):
 
 def _held_raw(x, path, block):
     """Whether this path holds x's 16-bit values as loaded for rows of `block` (RAW_FROM), not as floats."""
-    return x.element_size() == 2 and block >= RAW_FROM.get(path, float("inf"))
+    return x.element_size() == 2 and block >= _tuning.RAW_FROM.get(path, float("inf"))
 
 
 def _split_counters(x, M):
     """Zeroed int32 counters: the ticket, then one per row, SPLIT_COUNTER_STRIDE apart."""
-    return torch.zeros((M + 1) * SPLIT_COUNTER_STRIDE, device=x.device, dtype=torch.int32)
+    return torch.zeros((M + 1) * _tuning.SPLIT_COUNTER_STRIDE, device=x.device, dtype=torch.int32)
 
 
 def forward(x, out, log):
@@ -349,40 +305,42 @@ def forward(x, out, log):
     if M == 0 or N == 0:
         return
     block = next_power_of_2(N)
+    size = x.element_size()
     with on_device(x):
-        if PREFETCH_FROM.get(x.element_size(), math.inf) <= block <= FORWARD_TILE_MAX[x.element_size()]:
-            programs = max(1, sm_count(x)) * max(1, PREFETCH_SM_ELEMENTS // block)
+        if _tuning.PREFETCH_FROM.get(size, math.inf) <= block <= _tuning.SOFTMAX_FORWARD_TILE_MAX[size]:
+            programs = max(1, sm_count(x)) * max(1, _tuning.PREFETCH_SM_ELEMENTS // block)
             _fwd_prefetch_kernel[(min(M, programs),)](x, out, M, N, BLOCK=block, LOG=log, num_warps=warps_for(block),
                                                       **LAUNCH)
             return
-        if block <= FORWARD_TILE_MAX[x.element_size()]:
+        if block <= _tuning.SOFTMAX_FORWARD_TILE_MAX[size]:
             rows = _tile_rows(x, block)
             _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
                                                       num_warps=warps_for(rows * block), **LAUNCH)
             return
         config = _split_config(x, N)
         if config is None:
-            _fwd_loop_kernel[(M,)](x, out, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8, **LAUNCH)
+            _fwd_loop_kernel[(M,)](x, out, N, BLOCK=_tuning.SOFTMAX_LOOP_BLOCK, LOG=log, num_warps=8,
+                                   **LAUNCH)
             return
-        cap = SPLIT_FORWARD_MAXNREG.get(x.element_size())
+        cap = _tuning.SPLIT_FORWARD_MAXNREG.get(size)
         options = {**LAUNCH, "maxnreg": cap} if cap else LAUNCH
-        stream = SPLIT_STREAM.get(x.element_size())
+        stream = _tuning.SPLIT_STREAM.get(size)
         if stream is not None and triton.cdiv(N, stream[0]) <= sm_count(x):
             chunk, sub, warps, stages = stream
             chunks = triton.cdiv(N, chunk)
             stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
             _fwd_split_stream_kernel[(M * chunks,)](
                 x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk, SUB=sub,
-                STAGES=stages, CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-                COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
+                STAGES=stages, CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE,
+                num_warps=warps, **options)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
         _fwd_split_kernel[(M * chunks,)](
             x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
-            CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
+            CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE, num_warps=warps,
+            **options)
 
 
 def backward(y, dy, dx, log):
@@ -392,7 +350,7 @@ def backward(y, dy, dx, log):
         return
     block = next_power_of_2(N)
     with on_device(y):
-        if block <= BACKWARD_TILE_MAX[y.element_size()]:
+        if block <= _tuning.SOFTMAX_BACKWARD_TILE_MAX[y.element_size()]:
             rows = _tile_rows(y, block)
             _bwd_tile_kernel[(triton.cdiv(M, rows),)](y, dy, dx, M, N, 0, ROWS=rows, BLOCK=block, LOG=log,
                                                       RAW=_held_raw(y, "backward tile", block),
@@ -400,13 +358,14 @@ def backward(y, dy, dx, log):
             return
         config = _split_config(y, N)
         if config is None:
-            _bwd_loop_kernel[(M,)](y, dy, dx, N, BLOCK=LOOP_BLOCK, LOG=log, num_warps=8, **LAUNCH)
+            _bwd_loop_kernel[(M,)](y, dy, dx, N, BLOCK=_tuning.SOFTMAX_LOOP_BLOCK, LOG=log, num_warps=8,
+                                   **LAUNCH)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
         sums = torch.empty(M * chunks, device=y.device, dtype=torch.float32)
         _bwd_split_kernel[(M * chunks,)](
             y, dy, dx, sums, _split_counters(y, M), N, chunks, 0, CHUNK=chunk,
-            CHUNKS_P2=next_power_of_2(chunks), LOG=log, TICKET=SPLIT_TICKET,
-            COUNTER_STRIDE=SPLIT_COUNTER_STRIDE, RAW=_held_raw(y, "backward split", block),
-            LATE_Y=SPLIT_LATE_Y[y.element_size()], num_warps=warps, **LAUNCH)
+            CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE,
+            RAW=_held_raw(y, "backward split", block),
+            LATE_Y=_tuning.SPLIT_LATE_Y[y.element_size()], num_warps=warps, **LAUNCH)

@@ -17,7 +17,7 @@ import cupy
 import numpy
 import torch
 
-from . import _catalog
+from . import _instances
 
 _CTYPE = {torch.float32: "float", torch.float16: "f16_t", torch.bfloat16: "bf16_t"}
 _INDEX_CTYPE = {torch.int32: "int", torch.int64: "long long"}
@@ -32,7 +32,7 @@ _streams: dict[tuple[int, int], object] = {}
 
 
 def clear_cache() -> None:
-    """Forget every compiled module (the benchmark uses this to time a first call)."""
+    """Forget every compiled module, so that the next call of each kernel loads (or compiles) it again."""
     with _lock:
         _modules.clear()
         _shared_set.clear()
@@ -50,9 +50,9 @@ def index_ctype(dtype: torch.dtype) -> str:
 def _source(name: str) -> str:
     # The local header is inlined so that CuPy's disk cache, keyed by the code, sees header edits.
     if name not in _sources:
-        code = (_catalog.PACKAGE_DIR / name).read_text()
-        for header in _catalog.HEADERS:
-            code = code.replace(f'#include "{header}"', (_catalog.PACKAGE_DIR / header).read_text())
+        code = (_instances.PACKAGE_DIR / name).read_text()
+        for header in _instances.HEADERS:
+            code = code.replace(f'#include "{header}"', (_instances.PACKAGE_DIR / header).read_text())
         _sources[name] = code
     return _sources[name]
 
@@ -86,7 +86,7 @@ def kernel(index: int, source: str, element: str, expression: str):
             module = _modules.get(key)
             if module is None:
                 with cupy.cuda.Device(index):
-                    module = cupy.RawModule(code=_source(source), options=_catalog.OPTIONS,
+                    module = cupy.RawModule(code=_source(source), options=_instances.OPTIONS,
                                             name_expressions=(expression,))
                     module.compile()
                 _modules[key] = module

@@ -1,16 +1,18 @@
 """numba-cuda glue: the numpy 2.5 workaround, torch -> numba arrays, device and stream, jit options, launch.
 
-Every kernel module imports this one, so the workaround runs before the first
-kernel compiles (which is when numba-cuda builds its registries).
+Every kernel module imports this one, so the workaround runs before the first kernel compiles
+(which is when numba-cuda builds its registries). It imports no other module of the backend but the description.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+import functools
 
 import numpy
 import torch
+
+from . import simulated
 
 # numba-cuda <= 0.30 runs `overload(np.row_stack)(...)` when numba.cuda.np.arrayobj is
 # imported (at the first kernel compile), and numpy 2.5 removed np.row_stack, so that
@@ -19,7 +21,7 @@ import torch
 # function nobody can reach, and numpy is left as it was.
 ROW_STACK_MISSING = not hasattr(numpy, "row_stack")
 
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+SIMULATOR = simulated()
 
 
 def _removed_row_stack(*args, **kwargs):
@@ -87,10 +89,6 @@ def device_function(func):
     return cuda.jit(device=True, forceinline=True)(func)
 
 
-def is_bf16(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16
-
-
 def _kernel_view(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -119,7 +117,7 @@ def _current_streams(index: int) -> tuple:
     return streams
 
 
-# The fast launch path. numba's own launch re-derives every argument's type and wraps
+# The fast launch. numba's own launch re-derives every argument's type and wraps
 # every tensor in a DeviceNDArray: hundreds of microseconds a call, more than many of
 # these kernels take. After the first launch of a kernel for an argument signature we
 # keep its compiled function and hand later launches straight to cuda.core, packing the
@@ -127,8 +125,7 @@ def _current_streams(index: int) -> tuple:
 # itemsize, data pointer, shape..., strides in bytes...). A driver-API launch needs the
 # device's context bound to the calling thread, which torch's runtime leaves unbound in
 # some threads (autograd's backward worker): there numba's device context manager binds
-# it for the launch. MULTISOFT_NUMBA_FAST_LAUNCH=0 turns the path off.
-FAST_LAUNCH = not SIMULATOR and os.environ.get("MULTISOFT_NUMBA_FAST_LAUNCH", "1") != "0"
+# it for the launch.
 _compiled: dict[tuple, object] = {}
 _context_handles: dict[int, int] = {}
 
@@ -168,6 +165,12 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.cache
+def multiprocessors(index: int) -> int:
+    """The multiprocessor (SM) count of CUDA device `index`."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def launch(kernel_, grid, threads: int, args, shared: int = 0) -> None:
     """kernel_[grid, threads] on torch's current stream of the first tensor's device, with `shared` bytes of
     dynamic shared memory a block (at most 48 KiB: more needs an opt-in that this does not make).
@@ -182,7 +185,7 @@ def launch(kernel_, grid, threads: int, args, shared: int = 0) -> None:
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     index = device_index(device)
     stream, core_stream = _current_streams(index)
-    fast = FAST_LAUNCH and index == torch.cuda.current_device() and all(
+    fast = index == torch.cuda.current_device() and all(
         a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
     key = (id(kernel_), index, _signature(args)) if fast else None
     compiled = _compiled.get(key) if fast else None
@@ -211,12 +214,14 @@ def launch(kernel_, grid, threads: int, args, shared: int = 0) -> None:
             _compiled[key] = compiled
 
 
+FP32, FP16, BF16 = 0, 1, 2   # element formats of the kernels (_device.row_io)
+
+
 def vector_views(tensors, max_width=None):
     """(element format, width, the tensors as the kernels' word arrays) for reading and
     writing rows `width` elements at a time (see _device.row_io): the widest access of at
     most 16 bytes (and at most max_width elements) that divides every row length and
     stride and to which every tensor's data is aligned."""
-    from ._device import BF16, FP16, FP32
     dtype = tensors[0].dtype
     fmt = {torch.float32: FP32, torch.float16: FP16, torch.bfloat16: BF16}[dtype]
     size = tensors[0].element_size()
