@@ -27,12 +27,18 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- the kernels of one backend on (M, C) rows, into torch-allocated outputs
 
 
-def _forward(logits, target, weight, ignore_index, label_smoothing, backend):
+def _forward(logits, target, weight, ignore_index, label_smoothing, backend, separate=False):
     """(per_row, lse): per_row[0] the rows' losses, per_row[1] the weight of each row in a mean (w[target], 0 for
-    an ignored row), one (2, M) tensor so that a mean's two sums are one reduction; lse the rows' logsumexp."""
+    an ignored row), one (2, M) tensor so that a mean's two sums are one reduction; lse the rows' logsumexp.
+    Both are views of one allocation (each costs host time), or with ``separate`` (the outputs of a custom op
+    must not alias) two."""
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
-    per_row = torch.empty((2, rows), dtype=dtype, device=logits.device)
-    lse = torch.empty(rows, dtype=dtype, device=logits.device)
+    if separate:
+        per_row = torch.empty((2, rows), dtype=dtype, device=logits.device)
+        lse = torch.empty(rows, dtype=dtype, device=logits.device)
+    else:
+        stats = torch.empty((3, rows), dtype=dtype, device=logits.device)
+        per_row, lse = stats[:2], stats[2]
     get_backend(backend).kernels("cross_entropy").forward(
         logits, target, weight, per_row[0], lse, per_row[1], ignore_index, label_smoothing)
     return per_row, lse
@@ -43,8 +49,9 @@ def _backward(logits, target, weight, weight_sum, lse, grad_loss, ignore_index, 
     """grad_loss: each row's, or one value for every row (0-d, passed on as a broadcast view)."""
     if grad_logits is None:
         grad_logits = torch.empty_like(logits)
-    grad_loss = grad_loss.to(lse.dtype)
-    grad_loss = grad_loss.reshape(1).expand(lse.shape[0]) if grad_loss.ndim == 0 else grad_loss.contiguous()
+    if grad_loss.dtype != lse.dtype:
+        grad_loss = grad_loss.to(lse.dtype)
+    grad_loss = grad_loss.expand(lse.shape[0]) if grad_loss.ndim == 0 else grad_loss.contiguous()
     get_backend(backend).kernels("cross_entropy").backward(
         logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing)
     return grad_logits
@@ -72,7 +79,7 @@ def _grad_per_row(grad, denominator):
 def cross_entropy_forward_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                              weight_sum: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
                              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(logits, target, weight, ignore_index, label_smoothing, backend)
+    return _forward(logits, target, weight, ignore_index, label_smoothing, backend, separate=True)
 
 
 @cross_entropy_forward_op.register_fake

@@ -436,3 +436,78 @@ def test_blocksparse_batch_split_over_launches(monkeypatch):
     x = torch.randn(5, int(layout.sum()), 16, 16, device=DEVICE)
     y = multisoft.blocksparse_softmax(x, layout, 16, is_causal=True, backend="triton")
     assert_close(y, reference_blocksparse(x, layout, 16, 1.0, True), torch.float32, "forward")
+
+
+class _StandInCompiled:
+    """What a compiled Triton kernel offers `launch`: its launcher and the metadata it passes."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log):
+        self.log = log
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class _StandInKernel:
+    """A JITFunction as `launch` sees it: kernel[grid](*args, **kwargs) compiles (here: records) and returns the
+    compiled kernel; arg_names lists every parameter, constexprs included."""
+
+    arg_names = ["x_ptr", "n", "BLOCK", "LOG"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _StandInCompiled(self.log)
+        return run
+
+
+def test_launch_reuses_a_compiled_kernel_only_for_the_same_specialisation(monkeypatch):
+    """The first call of a specialisation goes through triton; repeats go straight to the launcher with every
+    parameter in order; a new alignment, an int that changes its specialisation (1, a multiple of 16, past int32)
+    or another constexpr goes through triton again."""
+    pytest.importorskip("triton")
+    from multisoft_triton import _launch
+
+    monkeypatch.setattr(_launch, "_DIRECT", True)
+    monkeypatch.setattr(_launch, "_ready", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 1234)
+    kernel = _StandInKernel()
+    x = torch.zeros(64)
+    _launch.launch(kernel, (4,), x, 20, BLOCK=32, LOG=False, num_warps=4)
+    _launch.launch(kernel, (5,), x, 36, BLOCK=32, LOG=False, num_warps=4)   # same specialisation
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct"]
+    assert kernel.log[1][1] == (5, 1, 1, 1234, "function", "metadata", None, *kernel.log[1][1][7:9], x, 36, 32, False)
+    for args, kwargs in [((x[1:], 36), {}),                   # unaligned pointer
+                         ((x, 1), {}), ((x, 48), {}), ((x, 2**31), {}),
+                         ((x, 36), {"BLOCK": 64}), ((x, 36), {"LOG": True}), ((x, 36), {"num_warps": 8})]:
+        before = len(kernel.log)
+        _launch.launch(kernel, (4,), *args, **{"BLOCK": 32, "LOG": False, "num_warps": 4, **kwargs})
+        assert kernel.log[before][0] == "triton", (args, kwargs)
+    _launch.launch(kernel, (4,), x, 2**31 + 16, BLOCK=32, LOG=False, num_warps=4)   # as 2**31: int64, 16 | n
+    assert kernel.log[-1][0] == "direct"
+    _launch.launch(kernel, (4,), x, 2**31 + 17, BLOCK=32, LOG=False, num_warps=4)
+    assert kernel.log[-1][0] == "triton"
+
+
+@needs_cuda
+def test_repeated_launches_follow_each_call_specialisation():
+    """Calls that alternate shapes, alignments and dtypes through the launch cache each match float64."""
+    from multisoft_triton import softmax
+
+    for n, offset, dtype in [(1000, 0, torch.float32), (1024, 0, torch.float32), (1000, 1, torch.float32),
+                             (1024, 1, torch.float32), (1024, 0, torch.bfloat16), (1, 0, torch.float32),
+                             (1000, 0, torch.float32), (1024, 1, torch.float32)] * 2:
+        base = torch.randn(8 * n + offset, device=DEVICE).to(dtype)
+        x = base[offset:].view(8, n)
+        out = torch.empty_like(x)
+        softmax.forward(x, out, False)
+        assert_close(out, reference_softmax(x, -1, False), dtype, f"softmax of {n} columns at offset {offset}")

@@ -24,6 +24,7 @@ _INDEX_CTYPE = {torch.int32: "int", torch.int64: "long long"}
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, str, str], cupy.RawModule] = {}
+_functions: dict[tuple[int, str, str, str], object] = {}
 _sources: dict[str, str] = {}
 _device_info: dict[int, tuple[int, int]] = {}
 _shared_memory: dict[int, int] = {}
@@ -35,6 +36,7 @@ def clear_cache() -> None:
     """Forget every compiled module, so that the next call of each kernel loads (or compiles) it again."""
     with _lock:
         _modules.clear()
+        _functions.clear()
         _shared_set.clear()
         _sources.clear()
 
@@ -79,7 +81,11 @@ def shared_memory(index: int) -> int:
 
 
 def kernel(index: int, source: str, element: str, expression: str):
+    """The compiled kernel `expression` of `source` for `element` on device `index` (compiled on first use)."""
     key = (index, source, element, expression)
+    function = _functions.get(key)
+    if function is not None:
+        return function
     module = _modules.get(key)
     if module is None:
         with _lock:
@@ -91,12 +97,13 @@ def kernel(index: int, source: str, element: str, expression: str):
                     module.compile()
                 _modules[key] = module
     with cupy.cuda.Device(index):
-        return module.get_function(expression)
+        function = _functions[key] = module.get_function(expression)
+    return function
 
 
 def _stream(index: int):
     """CuPy's view of torch's current stream on device `index` (cached per stream handle)."""
-    handle = torch.cuda.current_stream(index).cuda_stream
+    handle = _raw_stream(index)
     stream = _streams.get((index, handle))
     if stream is None:
         with warnings.catch_warnings():
@@ -104,6 +111,12 @@ def _stream(index: int):
             stream = cupy.cuda.ExternalStream(handle, index)
         _streams[(index, handle)] = stream
     return stream
+
+
+def _raw_stream(index: int) -> int:
+    """The handle of torch's current stream on device `index`, without building a torch.cuda.Stream."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def launch(tensor: torch.Tensor, source: str, expression: str, grid: tuple, block: tuple, args: tuple,

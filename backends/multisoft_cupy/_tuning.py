@@ -6,6 +6,7 @@ cupy). What each setting gained and what lost against it: docs/tuning.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -103,9 +104,14 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
         return RowConfig(32, 4, 2)  # measured: two tiles per warp beat one
     # 16-byte vectors per thread that stay in registers without spilling at 1024 threads
     budget = 8 if direction == "fwd" and elem_size == 4 else 4
-    ordered = sorted((c for c in usable(SOFTMAX_CONFIGS, cc) if c.vpt <= budget),
-                     key=lambda c: (c.capacity(elem_size), c.cluster, -c.tpr))
-    return _smallest_fitting(ordered, columns, elem_size)
+    return _smallest_fitting(_ordered(SOFTMAX_CONFIGS, cc, budget, elem_size), columns, elem_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _ordered(configs: tuple, cc: int, budget: int, elem_size: int) -> tuple:
+    """The configurations of at most `budget` vectors a thread that `cc` can launch, smallest capacity first."""
+    return tuple(sorted((c for c in usable(configs, cc) if c.vpt <= budget),
+                        key=lambda c: (c.capacity(elem_size), c.cluster, -c.tpr)))
 
 
 # ---- softmax, rows staged in shared memory (softmax_staged.cu)

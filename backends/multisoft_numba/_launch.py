@@ -105,11 +105,17 @@ def as_array(t: torch.Tensor):
 _streams: dict[tuple[int, int], tuple] = {}
 
 
+def _raw_stream(index: int) -> int:
+    """The handle of torch's current stream on device `index`, without building a torch.cuda.Stream."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 def _current_streams(index: int) -> tuple:
     """torch's current stream on device `index` as (numba's wrapper, for numba's launches; cuda.core's Stream, for
     the fast path: cuda.core deprecates taking numba's wrapper through the stream protocol), made inside that
     device's context."""
-    handle = torch.cuda.current_stream(index).cuda_stream
+    handle = _raw_stream(index)
     streams = _streams.get((index, handle))
     if streams is None:
         with cuda.gpus[index]:

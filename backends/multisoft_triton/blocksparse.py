@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import _tuning
 from ._device import fast_exp2, safe_shift, widen
-from ._launch import LAUNCH, next_power_of_2, on_device, warps_for
+from ._launch import LAUNCH, launch, next_power_of_2, on_device, warps_for
 
 MAX_GRID_Z = 65535  # a CUDA grid's second axis
 LOG2E = 1.4426950408889634
@@ -318,8 +318,8 @@ def _launch_rows(kernel, lut, tensors, scale, *extra, rows, warps=None, blocks=N
     with on_device(tensors[0]):
         for part in _batch_parts(tensors):
             grid = (lut.heads * lut.block_rows * (block // rows), part[0].shape[0])
-            kernel[grid](*part, lut.offsets, lut.nnz, float(scale), *extra, BLOCKS=blocks, ROWS=rows, B=block,
-                         INNER=inner, num_warps=warps or rows, **LAUNCH, **constexprs)
+            launch(kernel, grid, *part, lut.offsets, lut.nnz, float(scale), *extra, BLOCKS=blocks, ROWS=rows, B=block,
+                   INNER=inner, num_warps=warps or rows, **LAUNCH, **constexprs)
 
 
 def _plan(blocks, block):
@@ -382,8 +382,8 @@ def _launch_tiles(kernels, lut, tensors, scale):
             for table, groups, (tile, blocks, rows) in _schedule(lut, save):
                 kernel = kernels[0] if tile else kernels[1]
                 grid = (triton.cdiv(groups * lut.block, rows), part[0].shape[0])
-                kernel[grid](*part, table, groups * lut.block, lut.nnz, float(scale), BLOCKS=blocks, ROWS=rows,
-                             B=lut.block, num_warps=warps_for(blocks * rows * lut.block), **LAUNCH)
+                launch(kernel, grid, *part, table, groups * lut.block, lut.nnz, float(scale), BLOCKS=blocks, ROWS=rows,
+                       B=lut.block, num_warps=warps_for(blocks * rows * lut.block), **LAUNCH)
 
 
 def forward(x, out, lut, scale, is_causal):

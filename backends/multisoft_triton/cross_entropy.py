@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import _tuning
 from ._device import fast_exp, online_max, safe_shift
-from ._launch import LAUNCH, next_power_of_2, on_device, warps_for
+from ._launch import LAUNCH, launch, next_power_of_2, on_device, warps_for
 
 
 @triton.jit
@@ -156,15 +156,14 @@ def forward(logits, target, weight, loss, lse, row_weight, ignore_index, label_s
     with on_device(logits):
         if block <= _tuning.CE_TILE_MAX:
             rows = max(1, min(_tuning.CE_TILE_ELEMENTS // block, next_power_of_2(M)))
-            _fwd_tile_kernel[(triton.cdiv(M, rows),)](
-                logits, target, weight_arg, loss, lse, row_weight, M, C, int(ignore_index), keep, smooth_per_class,
-                ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth,
-                num_warps=warps_for(rows * block), **LAUNCH)
+            launch(_fwd_tile_kernel, (triton.cdiv(M, rows),), logits, target, weight_arg, loss, lse, row_weight, M, C,
+                   int(ignore_index), keep, smooth_per_class, ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight,
+                   SMOOTH=smooth, num_warps=warps_for(rows * block), **LAUNCH)
         else:
             loop_block, warps = _tuning.CE_LOOP_CONFIGS[logits.element_size()]
-            _fwd_loop_kernel[(M,)](
-                logits, target, weight_arg, loss, lse, row_weight, C, int(ignore_index), keep, smooth_per_class,
-                BLOCK=loop_block, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps, **LAUNCH)
+            launch(_fwd_loop_kernel, (M,), logits, target, weight_arg, loss, lse, row_weight, C, int(ignore_index),
+                   keep, smooth_per_class, BLOCK=loop_block, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps,
+                   **LAUNCH)
 
 
 def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing):
@@ -178,7 +177,6 @@ def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ig
     rows = max(1, min(_tuning.CE_BACKWARD_BLOCK // block, next_power_of_2(M)))
     grid = (triton.cdiv(M, rows), triton.cdiv(C, block))
     with on_device(logits):
-        _bwd_kernel[grid](
-            logits, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse, grad_loss,
-            grad_loss.stride(0), grad_logits, M, C, int(ignore_index), keep, smooth_per_class, ROWS=rows, BLOCK=block,
-            HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps_for(rows * block), **LAUNCH)
+        launch(_bwd_kernel, grid, logits, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse,
+               grad_loss, grad_loss.stride(0), grad_logits, M, C, int(ignore_index), keep, smooth_per_class, ROWS=rows,
+               BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps_for(rows * block), **LAUNCH)

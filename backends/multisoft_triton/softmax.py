@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import _tuning, simulated
 from ._device import fast_exp, online_max, safe_shift, widen
-from ._launch import LAUNCH, next_power_of_2, on_device, sm_count, warps_for
+from ._launch import LAUNCH, launch, next_power_of_2, on_device, sm_count, warps_for
 
 
 @triton.jit
@@ -309,18 +309,17 @@ def forward(x, out, log):
     with on_device(x):
         if _tuning.PREFETCH_FROM.get(size, math.inf) <= block <= _tuning.SOFTMAX_FORWARD_TILE_MAX[size]:
             programs = max(1, sm_count(x)) * max(1, _tuning.PREFETCH_SM_ELEMENTS // block)
-            _fwd_prefetch_kernel[(min(M, programs),)](x, out, M, N, BLOCK=block, LOG=log, num_warps=warps_for(block),
-                                                      **LAUNCH)
+            launch(_fwd_prefetch_kernel, (min(M, programs),), x, out, M, N, BLOCK=block, LOG=log,
+                   num_warps=warps_for(block), **LAUNCH)
             return
         if block <= _tuning.SOFTMAX_FORWARD_TILE_MAX[size]:
             rows = _tile_rows(x, block)
-            _fwd_tile_kernel[(triton.cdiv(M, rows),)](x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
-                                                      num_warps=warps_for(rows * block), **LAUNCH)
+            launch(_fwd_tile_kernel, (triton.cdiv(M, rows),), x, out, M, N, ROWS=rows, BLOCK=block, LOG=log,
+                   num_warps=warps_for(rows * block), **LAUNCH)
             return
         config = _split_config(x, N)
         if config is None:
-            _fwd_loop_kernel[(M,)](x, out, N, BLOCK=_tuning.SOFTMAX_LOOP_BLOCK, LOG=log, num_warps=8,
-                                   **LAUNCH)
+            launch(_fwd_loop_kernel, (M,), x, out, N, BLOCK=_tuning.SOFTMAX_LOOP_BLOCK, LOG=log, num_warps=8, **LAUNCH)
             return
         cap = _tuning.SPLIT_FORWARD_MAXNREG.get(size)
         options = {**LAUNCH, "maxnreg": cap} if cap else LAUNCH
@@ -329,18 +328,16 @@ def forward(x, out, log):
             chunk, sub, warps, stages = stream
             chunks = triton.cdiv(N, chunk)
             stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
-            _fwd_split_stream_kernel[(M * chunks,)](
-                x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk, SUB=sub,
-                STAGES=stages, CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE,
-                num_warps=warps, **options)
+            launch(_fwd_split_stream_kernel, (M * chunks,), x, out, stats[0], stats[1], _split_counters(x, M), N,
+                   chunks, CHUNK=chunk, SUB=sub, STAGES=stages, CHUNKS_P2=next_power_of_2(chunks), LOG=log,
+                   COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE, num_warps=warps, **options)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
         stats = torch.empty((2, M * chunks), device=x.device, dtype=torch.float32)
-        _fwd_split_kernel[(M * chunks,)](
-            x, out, stats[0], stats[1], _split_counters(x, M), N, chunks, CHUNK=chunk,
-            CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE, num_warps=warps,
-            **options)
+        launch(_fwd_split_kernel, (M * chunks,), x, out, stats[0], stats[1], _split_counters(x, M), N, chunks,
+               CHUNK=chunk, CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE,
+               num_warps=warps, **options)
 
 
 def backward(y, dy, dx, log):
@@ -352,20 +349,18 @@ def backward(y, dy, dx, log):
     with on_device(y):
         if block <= _tuning.SOFTMAX_BACKWARD_TILE_MAX[y.element_size()]:
             rows = _tile_rows(y, block)
-            _bwd_tile_kernel[(triton.cdiv(M, rows),)](y, dy, dx, M, N, 0, ROWS=rows, BLOCK=block, LOG=log,
-                                                      RAW=_held_raw(y, "backward tile", block),
-                                                      num_warps=warps_for(2 * rows * block), **LAUNCH)
+            launch(_bwd_tile_kernel, (triton.cdiv(M, rows),), y, dy, dx, M, N, 0, ROWS=rows, BLOCK=block, LOG=log,
+                   RAW=_held_raw(y, "backward tile", block), num_warps=warps_for(2 * rows * block), **LAUNCH)
             return
         config = _split_config(y, N)
         if config is None:
-            _bwd_loop_kernel[(M,)](y, dy, dx, N, BLOCK=_tuning.SOFTMAX_LOOP_BLOCK, LOG=log, num_warps=8,
-                                   **LAUNCH)
+            launch(_bwd_loop_kernel, (M,), y, dy, dx, N, BLOCK=_tuning.SOFTMAX_LOOP_BLOCK, LOG=log, num_warps=8,
+                   **LAUNCH)
             return
         chunk, warps = config
         chunks = triton.cdiv(N, chunk)
         sums = torch.empty(M * chunks, device=y.device, dtype=torch.float32)
-        _bwd_split_kernel[(M * chunks,)](
-            y, dy, dx, sums, _split_counters(y, M), N, chunks, 0, CHUNK=chunk,
-            CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE,
-            RAW=_held_raw(y, "backward split", block),
-            LATE_Y=_tuning.SPLIT_LATE_Y[y.element_size()], num_warps=warps, **LAUNCH)
+        launch(_bwd_split_kernel, (M * chunks,), y, dy, dx, sums, _split_counters(y, M), N, chunks, 0, CHUNK=chunk,
+               CHUNKS_P2=next_power_of_2(chunks), LOG=log, COUNTER_STRIDE=_tuning.SPLIT_COUNTER_STRIDE,
+               RAW=_held_raw(y, "backward split", block), LATE_Y=_tuning.SPLIT_LATE_Y[y.element_size()],
+               num_warps=warps, **LAUNCH)
