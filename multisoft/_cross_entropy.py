@@ -1,14 +1,22 @@
-"""cross_entropy: torch.library ops, autograd, public function.
+"""cross_entropy: autograd, torch.library ops, public function.
 
-For class-index targets the backends compute per-row losses and keep only the
-per-row log-sum-exp for the backward; the reduction is ordinary torch
-arithmetic on M numbers. Class-probability targets are computed with torch ops
+For class-index targets the gradient is computed in the forward, by the same
+kernel pass as the loss (two passes over the logits in all, where a
+forward that kept the log-sum-exp and a backward that read the logits again
+take three): the forward writes each row's gradient times ``grad_scale``
+(a mean's 1 / denominator, else 1) into a buffer that autograd keeps until the
+backward, which only multiplies it by the incoming gradient (nothing at all when
+that is one value of 1, as for ``loss.backward()``). Besides that buffer only
+O(rows) state is kept; the logits are not (except with ``return_lse``). So a
+graph can be differentiated once: a second backward, or a double backward,
+raises. Class-probability targets are computed with differentiable torch ops
 (float32 inside, float64 on the ``reference`` backend) until the backends have
 kernels for them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -17,181 +25,216 @@ from . import _validate
 from ._registry import get_backend, resolve_name
 
 REDUCTIONS = ("none", "mean", "sum")
+_CACHED_ONES_LIMIT = 64
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Per-row losses and log-sum-exps: float32, or float64 for float64 logits."""
+    """Per-row losses, log-sum-exps and every loss returned: float32, or float64 for float64 logits."""
     return torch.promote_types(dtype, torch.float32)
 
 
-# -- the kernels of one backend on (M, C) rows, into torch-allocated outputs
+_ones: dict[tuple, torch.Tensor] = {}
 
 
-def _forward(logits, target, weight, ignore_index, label_smoothing, backend, separate=False):
-    """(per_row, lse): per_row[0] the rows' losses, per_row[1] the weight of each row in a mean (w[target], 0 for
-    an ignored row), one (2, M) tensor so that a mean's two sums are one reduction; lse the rows' logsumexp.
-    Both are views of one allocation (each costs host time), or with ``separate`` (the outputs of a custom op
-    must not alias) two."""
+def _broadcast_ones(rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (rows,) view at stride 0 of one cached 1 (no allocation per call): sum's and none's grad_scale. Not
+    cached when first asked for while a CUDA graph is being captured (the fill would not have run)."""
+    key = (rows, dtype, device)
+    ones = _ones.get(key)
+    if ones is None:
+        with torch.inference_mode(False):
+            ones = torch.ones(1, dtype=dtype, device=device).expand(rows)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return ones
+        if len(_ones) >= _CACHED_ONES_LIMIT:
+            _ones.clear()
+        _ones[key] = ones
+    return ones
+
+
+def _denominator(target, weight, ignore_index, classes, dtype):
+    """A mean's denominator, sum over the rows of w[target] (1 without weights), 0 for an ignored row: from the
+    targets alone, so that the forward can fold 1 / denominator into the gradient it writes. An out-of-range
+    target adds a weight in bounds (its loss is NaN anyway)."""
+    counted = target != ignore_index
+    if weight is None:
+        return counted.sum(dtype=dtype)
+    return torch.where(counted, weight[target.clamp(0, classes - 1)], 0.0).sum()
+
+
+def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend,
+                    reduction, want_grad, grad_logits=None, separate=False):
+    """Runs the backend's forward; returns (loss reduced, lse, grad_logits or None).
+
+    One (3, M) allocation holds the per-row losses, row weights and lse (each allocation costs host time), or
+    with ``separate`` (a custom op's outputs must not alias) three. With ``want_grad`` the gradient is written
+    into ``grad_logits`` (a new buffer when None) scaled by the reduction's grad_scale."""
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
     if separate:
-        per_row = torch.empty((2, rows), dtype=dtype, device=logits.device)
-        lse = torch.empty(rows, dtype=dtype, device=logits.device)
+        loss_rows, row_weight, lse = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(3))
     else:
-        stats = torch.empty((3, rows), dtype=dtype, device=logits.device)
-        per_row, lse = stats[:2], stats[2]
-    get_backend(backend).kernels("cross_entropy").forward(
-        logits, target, weight, per_row[0], lse, per_row[1], ignore_index, label_smoothing)
-    return per_row, lse
-
-
-def _backward(logits, target, weight, weight_sum, lse, grad_loss, ignore_index, label_smoothing, backend,
-              grad_logits=None):
-    """grad_loss: each row's, or one value for every row (0-d, passed on as a broadcast view)."""
-    if grad_logits is None:
+        loss_rows, row_weight, lse = torch.empty((3, rows), dtype=dtype, device=logits.device).unbind()
+    denominator = grad_scale = None
+    if reduction == "mean":
+        denominator = _denominator(target, weight, ignore_index, logits.shape[1], dtype)
+        if want_grad:
+            grad_scale = denominator.reciprocal().expand(rows)
+    elif want_grad:
+        grad_scale = _broadcast_ones(rows, dtype, logits.device)
+    if want_grad and grad_logits is None:
         grad_logits = torch.empty_like(logits)
-    if grad_loss.dtype != lse.dtype:
-        grad_loss = grad_loss.to(lse.dtype)
-    grad_loss = grad_loss.expand(lse.shape[0]) if grad_loss.ndim == 0 else grad_loss.contiguous()
-    get_backend(backend).kernels("cross_entropy").backward(
-        logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing)
+    get_backend(backend).kernels("cross_entropy").forward(
+        logits, target, weight, loss_rows, lse, row_weight, grad_logits if want_grad else None, grad_scale,
+        ignore_index, label_smoothing, softcap, lse_square_scale)
+    if reduction == "none":
+        loss = loss_rows
+    elif reduction == "sum":
+        loss = loss_rows.sum()
+    else:
+        loss = torch.div(loss_rows.sum(), denominator)
+    return loss, lse, grad_logits if want_grad else None
+
+
+def _scale(grad_logits, grad, backend):
+    """grad_logits *= the incoming gradient of the loss: one value for a reduced loss, or where every row's is
+    the same (a stride-0 broadcast, as ``loss.sum().backward()`` gives), else one per row."""
+    if grad.ndim == 0:
+        factor = grad.reshape(1)
+    elif not any(grad.stride()):
+        factor = grad.reshape(-1)[:1]
+    else:
+        factor = grad.reshape(-1).contiguous()
+    get_backend(backend).kernels("cross_entropy").scale(grad_logits, factor)
     return grad_logits
 
 
-def _reduce(per_row, reduction, out_dtype):
-    """(loss, denominator) from _forward's per_row, outside autograd; denominator: a mean's sum of row weights."""
-    if reduction == "none":
-        return per_row[0].to(out_dtype), None
-    if reduction == "sum":
-        return per_row[0].sum().to(out_dtype), None
-    totals = per_row.sum(1)
-    return torch.div(totals[0], totals[1], out=per_row.new_empty((), dtype=out_dtype)), totals[1]
+def _lse_gradient(logits, grad_lse, softcap):
+    """d (sum_i grad_lse[i] * lse_i) / d logits in float32 (float64 for float64 logits) torch ops:
+    grad_lse[i] * p * du/dx, p the softmax of the capped logits u."""
+    x = logits.to(_stats_dtype(logits.dtype))
+    if softcap:
+        u = torch.tanh(x / softcap).mul_(softcap)
+        return torch.softmax(u, -1).mul_(u.div_(softcap).square_().neg_().add_(1.0)).mul_(grad_lse.unsqueeze(1))
+    return torch.softmax(x, -1).mul_(grad_lse.unsqueeze(1))
 
 
-def _grad_per_row(grad, denominator):
-    """The gradient of each row's loss from the reduced loss's: a 0-d tensor for every row when reduced."""
-    return grad / denominator if denominator is not None else grad
+def _add_lse_gradient(grad_logits, logits, grad_lse, softcap):
+    """The loss's gradient plus the lse's: added into the loss's buffer (computed in float32, rounded once)."""
+    part = _lse_gradient(logits, grad_lse.reshape(-1), softcap)
+    if grad_logits is None:
+        return part.to(logits.dtype)
+    return grad_logits.add_(part)
 
 
-# -- torch.library ops, used under torch.compile
+_SECOND_BACKWARD = ("multisoft.cross_entropy computes its gradient in the forward and hands it out in the first "
+                    "backward: a second backward through the same graph is not possible (compute the loss again)")
+_DOUBLE_BACKWARD = ("multisoft.cross_entropy does not support double backward (create_graph=True): its gradient is "
+                    "computed in the forward and the logits are not kept")
+_INPLACE_LSE = ("multisoft.cross_entropy with inplace_backward=True cannot differentiate the returned lse: the "
+                "forward overwrote the logits with the loss's gradient")
+
+
+# -- autograd Function, the eager path: the kernels and the reduction inside, so that a reduced loss's gradient
+# reaches the buffer as one value
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend,
+                reduction, return_lse, inplace):
+        loss, lse, grad_logits = _kernel_forward(
+            logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend, reduction,
+            True, grad_logits=logits if inplace else None)
+        if inplace:
+            # The kernel wrote through a raw pointer: tell autograd, so that any op that saved the logits' old
+            # values raises in its backward instead of reading the gradient.
+            torch.autograd.graph.increment_version(logits)
+            grad_logits = logits.detach()
+        ctx.buffer, ctx.backend = grad_logits, backend
+        if not return_lse:
+            return loss
+        ctx.set_materialize_grads(False)
+        ctx.softcap, ctx.inplace = softcap, inplace
+        if not inplace:
+            ctx.save_for_backward(logits)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad, grad_lse=None):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        grad_logits, ctx.buffer = ctx.buffer, None
+        if grad_logits is None:
+            raise RuntimeError(_SECOND_BACKWARD)
+        if grad is None:
+            grad_logits = None
+        else:
+            _scale(grad_logits, grad, ctx.backend)
+        if grad_lse is not None:
+            if ctx.inplace:
+                raise RuntimeError(_INPLACE_LSE)
+            (logits,) = ctx.saved_tensors
+            grad_logits = _add_lse_gradient(grad_logits, logits, grad_lse, ctx.softcap)
+        return grad_logits, None, None, None, None, None, None, None, None, None, None
+
+
+# -- torch.library ops, used under torch.compile: a forward that returns the loss, the lse and the gradient buffer,
+# and a backward that scales that buffer
 
 
 @torch.library.custom_op("multisoft::cross_entropy_forward", mutates_args=())
 def cross_entropy_forward_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
-                             weight_sum: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
-                             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(logits, target, weight, ignore_index, label_smoothing, backend, separate=True)
+                             ignore_index: int, label_smoothing: float, softcap: float, lse_square_scale: float,
+                             reduction: str, want_grad: bool, return_lse: bool, backend: str
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, lse, grad_logits = _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softcap,
+                                             lse_square_scale, backend, reduction, want_grad, separate=True)
+    return loss, lse, grad_logits if grad_logits is not None else logits.new_empty(0)
 
 
 @cross_entropy_forward_op.register_fake
-def _(logits, target, weight, weight_sum, ignore_index, label_smoothing, backend):
+def _(logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, reduction, want_grad,
+      return_lse, backend):
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
-    return logits.new_empty((2, rows), dtype=dtype), logits.new_empty(rows, dtype=dtype)
+    loss = logits.new_empty(rows if reduction == "none" else (), dtype=dtype)
+    return loss, logits.new_empty(rows, dtype=dtype), torch.empty_like(logits) if want_grad else logits.new_empty(0)
 
 
-@torch.library.custom_op("multisoft::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
-                              weight_sum: Optional[torch.Tensor], lse: torch.Tensor, grad_loss: torch.Tensor,
-                              ignore_index: int, label_smoothing: float, backend: str) -> torch.Tensor:
-    return _backward(logits, target, weight, weight_sum, lse, grad_loss, ignore_index, label_smoothing, backend)
+@torch.library.custom_op("multisoft::cross_entropy_scale", mutates_args=())
+def cross_entropy_scale_op(grad_logits: torch.Tensor, factor: torch.Tensor, backend: str) -> torch.Tensor:
+    """The backend's scale on a copy: an op that mutated the saved buffer in place breaks AOT autograd's
+    partitioner (the backward graph's output is then not computable from what the forward saves)."""
+    scaled = grad_logits.clone()
+    get_backend(backend).kernels("cross_entropy").scale(scaled, factor)
+    return scaled
 
 
-@cross_entropy_backward_op.register_fake
-def _(logits, target, weight, weight_sum, lse, grad_loss, ignore_index, label_smoothing, backend):
-    return torch.empty_like(logits)
+@cross_entropy_scale_op.register_fake
+def _(grad_logits, factor, backend):
+    return torch.empty_like(grad_logits)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, weight, weight_sum, ctx.ignore_index, ctx.label_smoothing, ctx.backend = inputs
-    ctx.save_for_backward(logits, target, weight, weight_sum, output[1])
+    logits, _, _, _, _, ctx.softcap, _, ctx.reduction, _, return_lse, ctx.backend = inputs
+    ctx.save_for_backward(output[2], logits if return_lse else None)  # the logits only to differentiate lse
 
 
-def _op_backward(ctx, grad_per_row, _grad_lse):
-    logits, target, weight, weight_sum, lse = ctx.saved_tensors
-    # per_row[1], the row weights, are piecewise constant in the logits: their gradient is dropped
-    grad = cross_entropy_backward_op(logits, target, weight, weight_sum, lse, grad_per_row[0],
-                                     ctx.ignore_index, ctx.label_smoothing, ctx.backend)
-    return grad, None, None, None, None, None, None
+def _op_backward(ctx, grad, grad_lse, _grad_buffer):
+    grad_logits, logits = ctx.saved_tensors
+    factor = grad.reshape(1) if ctx.reduction != "none" else grad.contiguous()
+    grad_logits = cross_entropy_scale_op(grad_logits, factor, ctx.backend)
+    if logits is not None and grad_lse is not None:
+        grad_logits = _add_lse_gradient(grad_logits, logits, grad_lse, ctx.softcap)
+    return grad_logits, None, None, None, None, None, None, None, None, None, None
 
 
 cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _compiled(rows_2d, flat_target, weight, weight_sum, ignore_index, label_smoothing, backend, reduction,
-              out_dtype):
-    """The loss under torch.compile: the custom op, then the reduction as ordinary (traced) torch ops."""
-    per_row, _ = cross_entropy_forward_op(rows_2d, flat_target, weight, weight_sum, ignore_index, label_smoothing,
-                                          backend)
-    if reduction == "none":
-        return per_row[0].to(out_dtype)
-    if reduction == "sum":
-        return per_row[0].sum().to(out_dtype)
-    return (per_row[0].sum() / per_row[1].sum()).to(out_dtype)
-
-
-# -- autograd Functions, the eager path: the reduction inside, so that a reduced loss's gradient reaches the
-# kernels as one broadcast value (no per-row tensor, no kernels for the reduction's own backward)
-
-
-class _CrossEntropy(torch.autograd.Function):
-    """The backward writes the gradient into a new tensor, or with ``inplace`` into the logits' own buffer (the
-    backward kernels read each element before they write it)."""
-
-    @staticmethod
-    def forward(ctx, logits, target, weight, weight_sum, ignore_index, label_smoothing, backend, reduction,
-                out_dtype, inplace):
-        per_row, lse = _forward(logits, target, weight, ignore_index, label_smoothing, backend)
-        loss, denominator = _reduce(per_row, reduction, out_dtype)
-        ctx.args = (ignore_index, label_smoothing, backend)
-        ctx.inplace = inplace
-        ctx.save_for_backward(logits, target, weight, weight_sum, lse, denominator)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, target, weight, weight_sum, lse, denominator = ctx.saved_tensors
-        grad_rows = _grad_per_row(grad, denominator)
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that can itself be differentiated
-            if ctx.inplace:
-                raise RuntimeError("multisoft.cross_entropy with inplace_backward=True does not support double "
-                                   "backward (create_graph=True): its gradient overwrites the logits")
-            return (_differentiable_grad(logits, target, weight, grad_rows, *ctx.args[:2]),
-                    None, None, None, None, None, None, None, None, None)
-        grad_logits = _backward(logits, target, weight, weight_sum, lse, grad_rows,
-                                *ctx.args, grad_logits=logits.detach() if ctx.inplace else None)
-        if ctx.inplace:
-            # The kernels wrote through a raw pointer: tell autograd, so that any other use of the logits'
-            # old values (another op that saved them, a second backward) raises instead of reading the gradient.
-            torch.autograd.graph.increment_version(logits)
-        return grad_logits, None, None, None, None, None, None, None, None, None
-
-
-def _row_losses(rows_2d, flat_target, weight, ignore_index, label_smoothing):
-    """Per-row losses of class-index targets in differentiable torch ops (the backends' formula), computed in
-    float32 (float64 for float64 logits): the double-backward path."""
-    x = rows_2d.to(_stats_dtype(rows_2d.dtype))
-    neg_log_p = -torch.log_softmax(x, -1)
-    valid = flat_target != ignore_index
-    safe_target = torch.where(valid, flat_target, 0).long()
-    nll = neg_log_p.gather(1, safe_target.unsqueeze(1)).squeeze(1)
-    if weight is not None:
-        nll = nll * weight[safe_target]
-    loss = (1.0 - label_smoothing) * nll
-    if label_smoothing:
-        smooth = neg_log_p @ weight if weight is not None else neg_log_p.sum(-1)
-        loss = loss + label_smoothing / rows_2d.shape[1] * smooth
-    return torch.where(valid, loss, 0.0)
-
-
-def _differentiable_grad(logits, target, weight, grad_rows, ignore_index, label_smoothing):
-    with torch.enable_grad():
-        losses = _row_losses(logits, target, weight, ignore_index, label_smoothing)
-        grad_rows = grad_rows.expand_as(losses) if grad_rows.ndim == 0 else grad_rows
-        (grad,) = torch.autograd.grad(losses, logits, grad_rows.to(losses.dtype), create_graph=True)
-    return grad
-
-
-def _check(logits, target, weight, ignore_index, reduction, label_smoothing):
-    """Validates the arguments; returns (number of classes, label_smoothing as float, probability targets?)."""
+def _check(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+           return_lse, inplace_backward):
+    """Validates the arguments; returns (number of classes, label_smoothing, lse_square_scale and softcap as
+    floats, softcap 0.0 for none, probability targets?)."""
     _validate.floating(logits, "logits")
     _validate.tensor(target, "target")
     if logits.ndim == 0:
@@ -224,93 +267,138 @@ def _check(logits, target, weight, ignore_index, reduction, label_smoothing):
     label_smoothing = _validate.real(label_smoothing, "label_smoothing")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    return classes, label_smoothing, probabilities
+    lse_square_scale = _validate.finite(lse_square_scale, "lse_square_scale")
+    if lse_square_scale < 0.0:
+        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
+    if softcap is None:
+        softcap = 0.0
+    else:
+        softcap = _validate.real(softcap, "softcap")
+        if not (math.isfinite(softcap) and softcap > 0.0):
+            raise ValueError(f"softcap must be a finite number > 0, or None for no cap; got {softcap}")
+    _validate.boolean(return_lse, "return_lse")
+    _validate.boolean(inplace_backward, "inplace_backward")
+    return classes, label_smoothing, lse_square_scale, softcap, probabilities
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
-                  backend: str | None = None, inplace_backward: bool = False) -> torch.Tensor:
-    """Cross-entropy between ``logits`` and ``target``, like ``F.cross_entropy``.
+                  lse_square_scale: float = 0.0, softcap: float | None = None, return_lse: bool = False,
+                  backend: str | None = None, inplace_backward: bool = False):
+    """Cross-entropy between ``logits`` and ``target``, like ``F.cross_entropy``, with the options of LLM training.
 
     ``logits`` is (C,), (N, C) or (N, C, d1, ...). ``target`` holds class
     indices (int64/int32, the logits' shape without C) or class probabilities
     (a floating tensor of the logits' shape), as in ``F.cross_entropy``, with
     the same ``weight``, ``ignore_index`` (class indices only), ``reduction``
-    and ``label_smoothing``. With class indices only the per-row log-sum-exp is
-    kept for the backward, so forward plus backward allocate nothing of the
-    logits' size but the gradient.
+    and ``label_smoothing``. The loss is float32 for 16-bit logits (what torch
+    gives under autocast), reduced or not; float32 or float64 otherwise.
 
-    ``inplace_backward=True`` has the backward write the gradient into
-    ``logits`` itself (no gradient buffer at all): ``logits`` is overwritten by
-    the backward and must not be used after it (``logits.grad`` is that same
-    memory). The write bumps the logits' version counter, so autograd raises if
+    ``softcap`` (a finite number > 0, or None): the logits are replaced by
+    ``softcap * tanh(logits / softcap)`` before everything else (Gemma 2).
+    ``lse_square_scale`` (>= 0): the z-loss, ``lse_square_scale * lse**2`` added
+    to every row's loss that is not ignored, reduced with it (a mean divides it
+    by the same sum of target weights); not multiplied by the class weight.
+    ``return_lse=True`` returns ``(loss, lse)``: every row's logsumexp of the
+    (capped) logits, ignored rows too, float32 (float64 for float64 logits), of
+    the target's shape; it can be differentiated too.
+
+    With class indices the gradient is computed in the forward, in the same pass
+    over the logits as the loss, and kept (scaled by the mean's denominator)
+    until the backward multiplies it by the incoming gradient: forward plus
+    backward allocate nothing of the logits' size but that gradient. The graph
+    can be differentiated once: a second backward through it, or double
+    backward (``create_graph=True``), raises.
+
+    ``inplace_backward=True`` has the forward write the gradient into ``logits``
+    itself (no gradient buffer at all): after the call ``logits`` holds the
+    gradient, not the logits, and ``logits.grad`` is that same memory after the
+    backward. The write bumps the logits' version counter, so autograd raises if
     anything else saved them for its own backward. Logits that are not a
     contiguous (N, C) or (C,) tensor are gathered into a contiguous copy first,
-    which then holds the gradient. Eager mode and class-index targets only:
-    under ``torch.compile`` the gradient gets its own buffer.
-
-    Double backward (``create_graph=True``) works, except with ``inplace_backward``.
+    which then holds the gradient. Eager mode and class-index targets only: under
+    ``torch.compile`` the gradient gets its own buffer. A returned lse cannot be
+    differentiated with it (the logits are gone).
     """
-    classes, label_smoothing, probabilities = _check(logits, target, weight, ignore_index, reduction,
-                                                     label_smoothing)
-    _validate.boolean(inplace_backward, "inplace_backward")
+    classes, label_smoothing, lse_square_scale, softcap, probabilities = _check(
+        logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_lse,
+        inplace_backward)
     backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend))
     if probabilities:
         if inplace_backward:
             raise ValueError("inplace_backward=True is not supported with class-probability targets")
-        return _probability_targets(logits, target, weight, reduction, label_smoothing, backend)
-    out_dtype = logits.dtype
+        loss, lse = _probability_targets(logits, target, weight, reduction, label_smoothing, softcap,
+                                         lse_square_scale, backend)
+        return (loss, lse) if return_lse else loss
     stats_dtype = _stats_dtype(logits.dtype)
-    if logits.ndim == 1:
+    if logits.ndim == 2:
+        rows_2d, flat_target = logits.contiguous(), target.contiguous()
+    elif logits.ndim == 1:
         rows_2d, flat_target = logits.unsqueeze(0), target.reshape(1)
-    elif logits.ndim == 2:
-        rows_2d, flat_target = logits, target
     else:
-        rows_2d = logits.movedim(1, -1).reshape(-1, classes)
-        flat_target = target.reshape(-1)
-    rows_2d = rows_2d.contiguous()
-    flat_target = flat_target.contiguous()
-    weight32 = weight.to(stats_dtype).contiguous() if weight is not None else None
-    weight_sum = weight32.sum().reshape(1) if weight is not None else None
-    args = (rows_2d, flat_target, weight32, weight_sum, ignore_index, label_smoothing, backend, reduction, out_dtype)
+        rows_2d = logits.movedim(1, -1).reshape(-1, classes).contiguous()
+        flat_target = target.reshape(-1).contiguous()
+    if weight is not None:
+        weight = weight.to(stats_dtype).contiguous()
     if rows_2d.numel() == 0:
-        loss = _empty_rows(rows_2d, flat_target, weight32, ignore_index, reduction, stats_dtype).to(out_dtype)
+        loss, lse = _empty_rows(rows_2d, reduction, stats_dtype)
     elif torch.compiler.is_compiling():
-        loss = _compiled(*args)
+        want_grad = rows_2d.requires_grad and torch.is_grad_enabled()
+        loss, lse, _ = cross_entropy_forward_op(rows_2d, flat_target, weight, ignore_index, label_smoothing,
+                                                softcap, lse_square_scale, reduction, want_grad, return_lse,
+                                                backend)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
-        loss = _CrossEntropy.apply(*args, inplace_backward)
+        result = _CrossEntropy.apply(rows_2d, flat_target, weight, ignore_index, label_smoothing, softcap,
+                                     lse_square_scale, backend, reduction, return_lse, inplace_backward)
+        loss, lse = result if return_lse else (result, None)
     else:
-        per_row, _ = _forward(rows_2d, flat_target, weight32, ignore_index, label_smoothing, backend)
-        loss, _ = _reduce(per_row, reduction, out_dtype)
-    return loss.reshape(target.shape) if reduction == "none" else loss
+        loss, lse, _ = _kernel_forward(rows_2d, flat_target, weight, ignore_index, label_smoothing, softcap,
+                                       lse_square_scale, backend, reduction, False)
+    if reduction == "none" and logits.ndim != 2:
+        loss = loss.reshape(target.shape)
+    if not return_lse:
+        return loss
+    return loss, lse.reshape(target.shape) if logits.ndim != 2 else lse
 
 
-def _probability_targets(logits, target, weight, reduction, label_smoothing, backend):
-    """Class-probability targets in differentiable torch ops, computed in float32 (float64 for float64 logits
-    or on the ``reference`` backend): ``-sum_c w[c] * q[c] * log_softmax(logits)[c]`` per row with
-    ``q = (1 - eps) * target + eps / C``; a mean divides by the number of rows, as torch does."""
-    compute = torch.float64 if backend == "reference" else _stats_dtype(logits.dtype)
-    log_p = torch.log_softmax(logits.to(compute), 1 if logits.ndim >= 2 else 0)
+def _probability_targets(logits, target, weight, reduction, label_smoothing, softcap, lse_square_scale, backend):
+    """(loss, lse) of class-probability targets in differentiable torch ops, computed in float32 (float64 for
+    float64 logits or on the ``reference`` backend): ``-sum_c w[c] * q[c] * log_softmax(u)[c] + s * lse(u)**2``
+    per row with ``q = (1 - eps) * target + eps / C`` and u the capped logits; a mean divides by the number of
+    rows, as torch does."""
+    out_dtype = _stats_dtype(logits.dtype)
+    compute = torch.float64 if backend == "reference" else out_dtype
+    class_dim = 1 if logits.ndim >= 2 else 0
+    u = logits.to(compute)
+    if softcap:
+        u = softcap * torch.tanh(u / softcap)
+    lse = torch.logsumexp(u, class_dim)
+    log_p = u - lse.unsqueeze(class_dim)
     q = target.to(compute)
-    classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]
+    classes = logits.shape[class_dim]
     if label_smoothing:
         q = (1.0 - label_smoothing) * q + label_smoothing / classes
     if weight is not None:
         shape = (classes,) + (1,) * (logits.ndim - 2) if logits.ndim >= 2 else (classes,)
         q = q * weight.to(compute).reshape(shape)
-    per_row = -(q * log_p).sum(1 if logits.ndim >= 2 else 0)
+    per_row = -(q * log_p).sum(class_dim)
+    if lse_square_scale:
+        per_row = per_row + lse_square_scale * lse.square()
     if reduction == "none":
         loss = per_row
     elif reduction == "sum":
         loss = per_row.sum()
     else:
         loss = per_row.mean() if per_row.numel() else per_row.sum() / 0.0
-    return loss.to(logits.dtype)
+    return loss.to(out_dtype), lse.to(out_dtype)
 
 
-def _empty_rows(rows_2d, flat_target, weight, ignore_index, reduction, stats_dtype):
-    """The loss of logits with no rows, from torch ops: torch's (an empty tensor, 0, or NaN for a mean)."""
+def _empty_rows(rows_2d, reduction, stats_dtype):
+    """(loss, lse) of logits with no rows, from torch ops: torch's loss (an empty tensor, 0, or NaN for a mean),
+    part of autograd as torch's would be."""
     per_row = rows_2d.sum(-1).to(stats_dtype)
     if reduction == "none":
-        return per_row
-    return per_row.sum() if reduction == "sum" else per_row.sum() / 0.0
+        loss = per_row
+    else:
+        loss = per_row.sum() if reduction == "sum" else per_row.sum() / 0.0
+    return loss, per_row

@@ -75,10 +75,35 @@ def _softmax_backward_terms(y, dy, dim, log):
     return y64 * (dy64 - total), y64.abs() * (dy64.abs() + size)
 
 
-def reference_cross_entropy(logits, target, **kwargs) -> torch.Tensor:
-    weight = kwargs.pop("weight", None)
-    return F.cross_entropy(logits.double(), target.long(), weight=None if weight is None else weight.double(),
-                           **kwargs)
+def reference_cross_entropy(logits, target, *, weight=None, ignore_index=-100, reduction="mean",
+                            label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_lse=False):
+    """multisoft.cross_entropy in float64: ``F.cross_entropy`` of the capped logits
+    ``softcap * tanh(logits / softcap)``, plus the z-loss ``lse_square_scale * lse**2`` of every row that is not
+    ignored (every row of class-probability targets), reduced like the loss (a mean divides it by the same
+    denominator: the sum of the targets' weights, or the number of rows for class probabilities). With
+    ``return_lse`` also every row's logsumexp of the capped logits, of the target's shape. Differentiable."""
+    x = logits.double()
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    class_dim = 1 if x.ndim >= 2 else 0
+    lse = torch.logsumexp(u, class_dim)
+    probabilities = target.is_floating_point()
+    weight64 = None if weight is None else weight.double()
+    target = target.double() if probabilities else target.long()
+    kwargs = dict(weight=weight64, label_smoothing=label_smoothing)
+    if not probabilities:
+        kwargs["ignore_index"] = ignore_index
+    loss = F.cross_entropy(u, target, reduction=reduction, **kwargs)
+    if lse_square_scale:
+        if probabilities:
+            z, denominator = lse.square(), lse.numel()
+        else:
+            counted = target != ignore_index
+            row_weight = weight64[target.clamp(0, u.shape[class_dim] - 1)] if weight is not None else 1.0
+            z = torch.where(counted, lse.square(), 0.0)
+            denominator = torch.where(counted, row_weight, 0.0).sum()
+        z = lse_square_scale * z
+        loss = loss + {"none": z, "sum": z.sum(), "mean": z.sum() / denominator}[reduction]
+    return (loss, lse) if return_lse else loss
 
 
 def reference_blocksparse(x, layout, block, scale, is_causal) -> torch.Tensor:
@@ -160,13 +185,14 @@ def _cases(device: torch.device, small: bool):
             target[::5] = -100
             target = target.to(device)
             weight = (torch.rand(c, generator=gen) + 0.5).to(device)
-            kwargs = dict(weight=weight, label_smoothing=0.1)
-            loss = multisoft.cross_entropy(logits, target, backend=backend, **kwargs)
+            kwargs = dict(weight=weight, label_smoothing=0.1, softcap=15.0, lse_square_scale=1e-3, return_lse=True)
+            loss, lse = multisoft.cross_entropy(logits, target, backend=backend, **kwargs)
             (grad,) = torch.autograd.grad(loss, logits)
             logits64 = logits.detach().double().requires_grad_()
-            expected = reference_cross_entropy(logits64, target, **kwargs)
+            expected, expected_lse = reference_cross_entropy(logits64, target, **kwargs)
             (expected_grad,) = torch.autograd.grad(expected, logits64)
-            return {"forward": (loss, expected, None), "backward": (grad, expected_grad, None)}
+            return {"forward": (loss, expected, None), "backward": (grad, expected_grad, None),
+                    "lse": (lse, expected_lse, None)}
         return run
 
     def bs_case(block, heads, block_rows):
@@ -201,7 +227,7 @@ def run_check(device: torch.device, backends: list[str], small: bool) -> list[Ro
             except Exception as error:  # a failing backend is a row of the table, not a crash
                 rows.append(Row(f"{op}", backend, str(dtype).replace("torch.", ""), shape,
                                 error=f"{type(error).__name__}: {error}"[:120]))
-        for direction in ("forward", "backward"):
+        for direction in dict.fromkeys(d for results in outputs.values() for d in results):
             for backend, results in outputs.items():
                 value, expected, magnitude = results[direction]
                 row = Row(f"{op} {direction}", backend, str(dtype).replace("torch.", ""), shape)

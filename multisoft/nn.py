@@ -51,25 +51,32 @@ class CrossEntropyLoss(torch.nn.Module):
     The positional order is torch's (``weight, size_average, ignore_index,
     reduce, reduction, label_smoothing``; the two deprecated ones map to a
     ``reduction`` as torch maps them). ``weight`` is a buffer, so it follows
-    ``.to(device)``. Keyword-only: ``backend`` (the implementation for every
-    call) and ``inplace_backward`` (the backward overwrites the logits with
-    their gradient, see ``multisoft.cross_entropy``).
+    ``.to(device)``. Keyword-only, as in ``multisoft.cross_entropy``:
+    ``lse_square_scale`` (the z-loss), ``softcap``, ``return_lse`` (the module
+    then returns ``(loss, lse)``), ``backend`` (the implementation for every
+    call) and ``inplace_backward`` (the forward overwrites the logits with their
+    gradient).
     """
 
     def __init__(self, weight: torch.Tensor | None = None, size_average: bool | None = None,
                  ignore_index: int = -100, reduce: bool | None = None, reduction: str = "mean",
-                 label_smoothing: float = 0.0, *, backend: str | None = None, inplace_backward: bool = False):
+                 label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float | None = None,
+                 return_lse: bool = False, backend: str | None = None, inplace_backward: bool = False):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = _legacy_reduction(size_average, reduce)
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.lse_square_scale, self.softcap, self.return_lse = lse_square_scale, softcap, return_lse
         self.backend, self.inplace_backward = backend, inplace_backward
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, target: torch.Tensor):
         return cross_entropy(logits, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
-                             backend=self.backend, inplace_backward=self.inplace_backward)
+                             lse_square_scale=self.lse_square_scale, softcap=self.softcap,
+                             return_lse=self.return_lse, backend=self.backend,
+                             inplace_backward=self.inplace_backward)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, backend={self.backend!r}")
+                f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
+                f"softcap={self.softcap}, return_lse={self.return_lse}, backend={self.backend!r}")

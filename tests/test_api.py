@@ -165,8 +165,26 @@ def test_info_runs():
     (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), weight=torch.ones(3),
                                      backend="torch", inplace_backward="yes"),
      TypeError, "inplace_backward must be a bool"),
-    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.tensor([0, 3]), backend="reference"),
-     ValueError, "target holds class"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), softcap=0.0),
+     ValueError, "softcap must be a finite number > 0"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), softcap=-1.0),
+     ValueError, "softcap must be a finite number > 0"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), softcap=float("inf")),
+     ValueError, "softcap must be a finite number > 0"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), softcap=float("nan")),
+     ValueError, "softcap must be a finite number > 0"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), softcap="30"),
+     TypeError, "softcap must be a real number"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), softcap=True),
+     TypeError, "softcap must be a real number"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), lse_square_scale=-1e-4),
+     ValueError, "lse_square_scale must be >= 0"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long),
+                                     lse_square_scale=float("inf")), ValueError, "lse_square_scale must be finite"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), lse_square_scale=None),
+     TypeError, "lse_square_scale must be a real number"),
+    (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.long), return_lse=1),
+     TypeError, "return_lse must be a bool"),
     (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.ones(1, 1), 16),
      ValueError, "layout must be 3-D"),
     (lambda: multisoft.blocksparse_softmax(torch.randn(1, 1, 16, 16), torch.full((1, 1, 1), 2), 16),
@@ -263,32 +281,32 @@ def test_dtype_argument_casts_first(dtype):
     torch.testing.assert_close(y, torch.softmax(x, -1, dtype=dtype))
 
 
-def test_cross_entropy_matches_torch_loss_dtype_and_reductions():
+def test_cross_entropy_of_16_bit_logits_is_float32_like_torch_under_autocast():
     logits = torch.randn(7, 11, dtype=torch.bfloat16)
     target = torch.randint(0, 11, (7,))
     for reduction in ("mean", "sum", "none"):
         loss = multisoft.cross_entropy(logits, target, reduction=reduction, backend="torch")
-        expected = F.cross_entropy(logits, target, reduction=reduction)
-        assert loss.dtype == expected.dtype and loss.shape == expected.shape
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = F.cross_entropy(logits, target, reduction=reduction)
+        assert loss.dtype == expected.dtype == torch.float32 and loss.shape == expected.shape
 
 
-def test_cross_entropy_inplace_backward_writes_only_in_the_backward():
-    """inplace_backward: the forward (with or without autograd) leaves the logits as they are; the backward
-    writes the gradient into them, scaled by the incoming gradient, with no host synchronisation to check it."""
+def test_cross_entropy_inplace_backward_writes_the_gradient_in_the_forward():
+    """inplace_backward: without autograd the forward only reads the logits; with it, the forward writes the
+    gradient into them and the backward scales it there by the incoming gradient."""
     logits = torch.randn(6, 9, dtype=torch.float64)
     target = torch.randint(0, 9, (6,))
     buffer = logits.clone()
     with torch.no_grad():
-        loss = multisoft.cross_entropy(buffer, target, backend="torch", inplace_backward=True)
+        loss = multisoft.cross_entropy(buffer.requires_grad_(), target, backend="torch", inplace_backward=True)
     torch.testing.assert_close(loss, F.cross_entropy(logits, target))
-    assert torch.equal(buffer, logits)
-    buffer.requires_grad_()
-    expected_logits = logits.clone().requires_grad_()
-    (2.5 * F.cross_entropy(expected_logits, target, reduction="sum")).backward()
-    loss = multisoft.cross_entropy(buffer, target, reduction="sum", backend="torch", inplace_backward=True)
     assert torch.equal(buffer.detach(), logits)
+    expected_logits = logits.clone().requires_grad_()
+    F.cross_entropy(expected_logits, target, reduction="sum").backward()
+    loss = multisoft.cross_entropy(buffer, target, reduction="sum", backend="torch", inplace_backward=True)
+    torch.testing.assert_close(buffer.detach(), expected_logits.grad)
     (2.5 * loss).backward()
-    torch.testing.assert_close(buffer.grad, expected_logits.grad)
+    torch.testing.assert_close(buffer.grad, 2.5 * expected_logits.grad)
     assert buffer.grad.data_ptr() == buffer.data_ptr() and torch.equal(buffer.detach(), buffer.grad)
 
 
@@ -369,10 +387,6 @@ def test_gradcheck_reference_float64():
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: multisoft.softmax(t, backend="torch"), (x,))
     assert torch.autograd.gradcheck(lambda t: multisoft.log_softmax(t, 0, backend="torch"), (x,))
-    target = torch.tensor([0, -100, 6])
-    weight = torch.rand(7, dtype=torch.float64) + 0.5
-    assert torch.autograd.gradcheck(
-        lambda t: multisoft.cross_entropy(t, target, weight=weight, label_smoothing=0.2, backend="torch"), (x,))
     layout = torch.tensor([[[1, 1], [1, 0]]])
     blocks = torch.randn(1, 3, 16, 16, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
@@ -389,11 +403,13 @@ def test_opcheck_registered_ops():
                           (torch.softmax(x, -1).detach(), torch.randn(4, 9), False, "torch"))
     target = torch.tensor([1, -100, 8, 0])
     weight = torch.rand(9)
+    for reduction in ("mean", "none"):
+        torch.library.opcheck(cross_entropy.cross_entropy_forward_op,
+                              (x, target, weight, -100, 0.1, 3.0, 0.01, reduction, True, True, "torch"))
     torch.library.opcheck(cross_entropy.cross_entropy_forward_op,
-                          (x, target, weight, weight.sum().reshape(1), -100, 0.1, "torch"))
-    lse = x.detach().logsumexp(-1)
-    torch.library.opcheck(cross_entropy.cross_entropy_backward_op,
-                          (x.detach(), target, None, None, lse, torch.rand(4), -100, 0.0, "torch"))
+                          (x.detach(), target, None, -100, 0.0, 0.0, 0.0, "sum", False, False, "torch"))
+    torch.library.opcheck(cross_entropy.cross_entropy_scale_op, (torch.randn(4, 9), torch.rand(4), "torch"))
+    torch.library.opcheck(cross_entropy.cross_entropy_scale_op, (torch.randn(4, 9), torch.rand(1), "torch"))
     layout = torch.tensor([[[1, 0], [1, 1]]])
     blocks = torch.randn(2, 3, 16, 16, requires_grad=True)
     torch.library.opcheck(blocksparse.blocksparse_forward_op, (blocks, layout, 16, 0.5, True, "torch"))
@@ -407,9 +423,10 @@ def test_torch_compile_fullgraph_no_graph_break():
     def model(x, logits, target, blocks):
         a = multisoft.softmax(x * 2, -1, backend="torch").sum()
         b = multisoft.log_softmax(x, 0, backend="torch").sum()
-        c = multisoft.cross_entropy(logits, target, label_smoothing=0.1, backend="torch")
+        c, lse = multisoft.cross_entropy(logits, target, label_smoothing=0.1, softcap=4.0, lse_square_scale=0.01,
+                                         return_lse=True, backend="torch")
         d = multisoft.blocksparse_softmax(blocks, layout, 16, is_causal=True, backend="torch").sum()
-        return a + b + c + d
+        return a + b + c + d + lse.sum()
 
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     x = torch.randn(5, 6, requires_grad=True)
@@ -423,6 +440,7 @@ def test_torch_compile_fullgraph_no_graph_break():
     torch.testing.assert_close(got, want)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w)
-    expected_ce = reference_cross_entropy(logits.detach(), target, label_smoothing=0.1)
-    torch.testing.assert_close(multisoft.cross_entropy(logits, target, label_smoothing=0.1, backend="torch").double(),
+    options = dict(label_smoothing=0.1, softcap=4.0, lse_square_scale=0.01)
+    expected_ce = reference_cross_entropy(logits.detach(), target, **options)
+    torch.testing.assert_close(multisoft.cross_entropy(logits, target, backend="torch", **options).double(),
                                expected_ce)

@@ -2,7 +2,8 @@
 CUDA + cupy).
 
 The kernels are called directly through the backend contract, against the float64
-references of multisoft/check.py at its tolerances, so these tests do not depend on
+references of multisoft/check.py at its tolerances (cross-entropy: against the
+contract's formulas, written out here in float64), so these tests do not depend on
 the front's dispatch (only on its look-up table for the block-sparse kernels). The
 GPU tests force each kernel path by patching multisoft_cupy._tuning.
 """
@@ -26,8 +27,8 @@ from multisoft_cupy import _instances, _tuning  # noqa: E402  (import no CUDA fr
 from harness import assert_close  # noqa: E402
 from multisoft._blocksparse import lookup_table  # noqa: E402  (the front's look-up table: torch only, no backend)
 from multisoft.check import (  # noqa: E402
-    reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy, reference_softmax,
-    reference_softmax_backward, softmax_backward_magnitude)
+    reference_blocksparse, reference_blocksparse_backward, reference_softmax, reference_softmax_backward,
+    softmax_backward_magnitude)
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")
@@ -43,16 +44,43 @@ def random_layout(heads, mb, nb, generator=None, empty_row=True):
     return layout
 
 
-def cross_entropy_reference(logits, target, weight, label_smoothing, grad_loss=None):
-    """(loss per row, lse, and with `grad_loss` the gradient d(grad_loss . loss) / d logits) in float64, from
-    multisoft.check.reference_cross_entropy; every target must be a class or -100 (ignored)."""
-    logits64 = logits.detach().double().requires_grad_()
-    loss = reference_cross_entropy(logits64, target, weight=weight, label_smoothing=label_smoothing, reduction="none")
-    lse = torch.logsumexp(logits64.detach(), -1)
-    if grad_loss is None:
-        return loss.detach(), lse, None
-    (grad,) = torch.autograd.grad(loss, logits64, grad_loss.double())
-    return loss.detach(), lse, grad
+def cross_entropy_reference(logits, target, weight=None, ignore_index=-100, label_smoothing=0.0, softcap=0.0,
+                            lse_square_scale=0.0, grad_scale=None):
+    """(loss, lse, row_weight, and with `grad_scale` the gradient grad_scale[i] * dloss_i / dlogits) in float64, from
+    the backend contract's formulas: u = softcap * tanh(logits / softcap) (or the logits), lse = logsumexp(u),
+    loss = (1 - eps) w[t] (lse - u[t]) + eps / C sum_c w[c] (lse - u[c]) + lse_square_scale lse**2, 0 for a target
+    equal to ignore_index (gradient 0, row weight 0), NaN for one outside [0, C) (gradient NaN); the gradient by
+    autograd."""
+    x = logits.detach().double()
+    rows, classes = x.shape
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
+    t = target.long()
+    ignored = t == ignore_index
+    valid = ~ignored & (t >= 0) & (t < classes)
+
+    def capped(v):
+        return softcap * torch.tanh(v / softcap) if softcap else v
+
+    x_valid = x[valid].requires_grad_()
+    u = capped(x_valid)
+    lse_valid = torch.logsumexp(u, -1)
+    t_valid = t[valid]
+    eps = label_smoothing
+    loss_valid = ((1 - eps) * w[t_valid] * (lse_valid - u.gather(1, t_valid[:, None])[:, 0])
+                  + eps / classes * ((lse_valid[:, None] - u) * w).sum(-1) + lse_square_scale * lse_valid**2)
+    nan = float("nan")
+    loss = torch.full((rows,), nan, dtype=torch.float64, device=x.device)
+    loss[ignored] = 0.0
+    loss[valid] = loss_valid.detach()
+    row_weight = torch.where(valid, w[t.clamp(0, classes - 1)], 0.0)
+    lse = torch.logsumexp(capped(x), -1)
+    if grad_scale is None:
+        return loss, lse, row_weight, None
+    grad = torch.full_like(x, nan)
+    grad[ignored] = 0.0
+    if valid.any():
+        (grad[valid],) = torch.autograd.grad(loss_valid, x_valid, grad_scale.to(x.device, torch.float64)[valid])
+    return loss, lse, row_weight, grad
 
 
 # ---- no GPU needed ----
@@ -201,16 +229,25 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
         ("softmax_split.cu", "softmax_fwd_split"), ("softmax_split.cu", "softmax_bwd_split")]
     target = torch.zeros(4, dtype=torch.int64)
     w = torch.ones(300)
-    cross_entropy.forward(x, target, w, torch.empty(4), torch.empty(4), torch.empty(4), -100, 0.1)
-    cross_entropy.backward(x, target, None, None, torch.empty(4), torch.empty(4), x, -100, 0.0)
+    stats = (torch.empty(4), torch.empty(4), torch.empty(4))
+    cross_entropy.forward(x, target, w, *stats, None, None, -100, 0.1, 0.0, 0.0)
+    narrow = x[:, :100].contiguous()  # a warp a row
+    cross_entropy.forward(narrow, target.int(), None, *stats, narrow, torch.ones(1).expand(4), -100, 0.0, 30.0, 1e-4)
+    cross_entropy.scale(x, torch.ones(1))
+    cross_entropy.scale(x, torch.ones(4))
+    monkeypatch.setattr(_tuning, "ce_fwd_config", lambda *args: _tuning.CE_FWD_CLUSTERS[0])
+    cross_entropy.forward(x, target, w, *stats, torch.empty_like(x), torch.ones(4), -100, 0.1, 1e39, 0.0)
     layout = torch.ones(1, 2, 2, dtype=torch.long)
     lut = lookup_table(layout, 16, "cpu")
     storage = torch.randn(lut.nnz * 256 + 1)
     for xb in (storage[:-1].view(1, lut.nnz, 16, 16), storage[1:].view(1, lut.nnz, 16, 16)):  # aligned, not
         blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
         blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
-    assert [expr.split("<")[0] for _, expr, _ in calls[8:]] == [
-        "ce_fwd", "ce_bwd", "bs_fwd_staged", "bs_bwd", "bs_fwd", "bs_bwd"]
+    assert [expr for _, expr, _ in calls[8:13]] == [
+        "ce_fwd<float, long long, false, false, 256, 1, 4>", "ce_fwd<float, int, true, true, 32, 4, 2>",
+        "ce_scale<float, 256, 4, 4>", "ce_scale<float, 256, 4, 4>",
+        "ce_fwd_cluster<float, long long, true, false, 256, 4, 4>"]  # a softcap beyond float32: none
+    assert [expr.split("<")[0] for _, expr, _ in calls[13:]] == ["bs_fwd_staged", "bs_bwd", "bs_fwd", "bs_bwd"]
     for source, expression, args in calls:
         params = _kernel_parameters(source, expression.split("<")[0])
         assert len(params) == len(args), expression
@@ -496,43 +533,18 @@ def test_non_default_stream_interleaved_with_torch_work():
         target = torch.randint(0, 4096, (2048,), device=_device())
         loss = torch.empty(2048, device=_device())
         lse = torch.empty(2048, device=_device())
-        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
+        grad = torch.empty_like(x)
+        ones = torch.ones(1, device=_device())
+        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), grad, ones.expand(2048), -100, 0.0,
+                              0.0, 0.0)
+        cross_entropy.scale(grad, ones * 3)  # the factor torch computes on that stream
         total = loss.sum()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    expected_loss, _, _, expected_grad = cross_entropy_reference(x, target, grad_scale=torch.full((2048,), 3.0))
     assert_close(z, 2 * reference_softmax(x, -1, True), torch.float32, "stream softmax")
-    assert_close(total, reference_cross_entropy(x, target, reduction="sum"), torch.float32, "stream loss")
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
-def test_cross_entropy_invalid_targets_and_in_place(dtype, target_dtype):
-    _, cross_entropy, _ = _kernels()
-    rows, classes = 9, 32003
-    logits = torch.randn(rows, classes, device=_device()).to(dtype)
-    target = torch.randint(0, classes, (rows,), device=_device())
-    target[1] = -100                    # ignored
-    target[2] = classes                 # invalid, one past the end
-    target[3] = -5                      # invalid, negative
-    target[4] = 2**40 if target_dtype == torch.int64 else 2**31 - 1
-    target = target.to(target_dtype)
-    weight = torch.rand(classes, device=_device())
-    loss = torch.empty(rows, device=_device())
-    lse = torch.empty(rows, device=_device())
-    cross_entropy.forward(logits, target, weight, loss, lse, torch.empty_like(lse), -100, 0.1)
-    grad_loss = torch.rand(rows, device=_device())
-    valid = [0, 1, 5, 6, 7, 8]
-    ref_loss, ref_lse, expected = cross_entropy_reference(logits[valid], target[valid], weight, 0.1, grad_loss[valid])
-    assert loss[[2, 3, 4]].isnan().all() and loss[1] == 0
-    assert_close(loss[valid], ref_loss, torch.float32, "loss")
-    assert_close(lse[valid], ref_lse, torch.float32, "lse")
-    original = logits.clone()
-    cross_entropy.backward(logits, target, weight, weight.sum().view(1), lse, grad_loss, logits, -100, 0.1)
-    assert_close(logits[valid], expected, dtype, "in-place gradient")
-    grad = torch.empty_like(original)
-    cross_entropy.backward(original, target, weight, weight.sum().view(1), lse, grad_loss, grad, -100, 0.1)
-    assert torch.equal(grad[valid], logits[valid])
+    assert_close(total, expected_loss.sum(), torch.float32, "stream loss")
+    assert_close(grad, expected_grad, torch.float32, "stream gradient")
 
 
 @gpu
@@ -566,9 +578,14 @@ def test_second_device():
         softmax.forward(x, y, False)
         target = torch.randint(0, 5000, (64,), device=dev)
         loss, lse = torch.empty(64, device=dev), torch.empty(64, device=dev)
-        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
+        grad = torch.empty_like(x)
+        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), grad, torch.ones(64, device=dev),
+                              -100, 0.0, 0.0, 0.0)
+        cross_entropy.scale(grad, torch.full((1,), 0.5, device=dev))
+    expected_loss, _, _, expected_grad = cross_entropy_reference(x, target, grad_scale=torch.full((64,), 0.5))
     assert_close(y, reference_softmax(x, -1, False), torch.float32, "cuda:1 softmax")
-    assert_close(loss, reference_cross_entropy(x, target, reduction="none"), torch.float32, "cuda:1 loss")
+    assert_close(loss, expected_loss, torch.float32, "cuda:1 loss")
+    assert_close(grad, expected_grad, torch.float32, "cuda:1 gradient")
 
 
 def _registers_only(monkeypatch):
@@ -711,38 +728,154 @@ def test_softmax_rule_configs_match_float64(cfg, dtype, monkeypatch):
         assert (outputs[:, rows:] == 7).all(), "written past the last row"
 
 
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_backward_vector_and_scalar_loads(dtype):
-    _, cross_entropy, _ = _kernels()
-    rows = 7
-    for classes in (20011, 20480):  # element-wise and 16-byte vector loads
-        logits = torch.randn(rows, classes, device=_device()).to(dtype)
-        target = torch.randint(0, classes, (rows,), device=_device())
-        target[2] = -100
-        loss = torch.empty(rows, device=_device())
-        lse = torch.empty(rows, device=_device())
-        cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
-        grad_loss = torch.rand(rows, device=_device())
-        _, _, expected = cross_entropy_reference(logits, target, None, 0.0, grad_loss)
-        grad = torch.empty_like(logits)
-        cross_entropy.backward(logits, target, None, None, lse, grad_loss, grad, -100, 0.0)
-        assert_close(grad, expected, dtype, f"gradient, {classes} classes")
+# (weighted, label_smoothing, softcap, lse_square_scale, one grad_scale for every row): each option alone, then all
+CE_OPTIONS = ((False, 0.0, 0.0, 0.0, True), (True, 0.1, 0.0, 0.0, False), (False, 0.0, 5.0, 0.0, False),
+              (False, 0.0, 0.0, 1e-2, True), (True, 0.2, 3.0, 1e-3, False))
+CE_NAN_ROW = 6  # a row with a NaN logit
 
 
-@gpu
-@pytest.mark.parametrize("cfg", _tuning.CE_FWD_CONFIGS, ids=str)
-def test_cross_entropy_forward_configs(cfg, monkeypatch):
-    _, cross_entropy, _ = _kernels()
+def cross_entropy_inputs(rows, classes, dtype, target_dtype=torch.int64, unaligned=False, seed=0):
+    """Logits (a NaN in row CE_NAN_ROW, row 7 shifted by 100; with `unaligned`, rows one element off 16-byte
+    alignment) and targets: row 1 ignored (-100), rows 2, 4 and 8 invalid (C, -5, the index type's largest
+    magnitude), rows 3 and 5 the last and first class."""
+    assert rows >= 9
+    g = torch.Generator().manual_seed(seed)
+    storage = (torch.randn(rows * classes + 1, generator=g) * 3).to(dtype).to(_device())
+    logits = (storage[1:] if unaligned else storage[:-1]).view(rows, classes)
+    logits[7] += 100  # exp(100) is beyond float32: the row's max must come out first
+    logits[CE_NAN_ROW, classes // 2] = float("nan")
+    target = torch.randint(0, classes, (rows,), generator=g)
+    target[1], target[2], target[3], target[4], target[5] = -100, classes, classes - 1, -5, 0
+    target[8] = 2**40 if target_dtype == torch.int64 else 2**31 - 1
+    return logits, target.to(target_dtype).to(_device())
+
+
+def cross_entropy_call(cross_entropy, logits, target, weight, options, grad_scale, grad):
+    """(loss, lse, row_weight) from the backend's forward, each prefilled with NaN."""
+    _, eps, softcap, lse_square_scale, _ = options
+    stats = torch.full((3, logits.shape[0]), float("nan"), device=_device())
+    cross_entropy.forward(logits, target, weight, stats[0], stats[1], stats[2], grad, grad_scale, -100, eps, softcap,
+                          lse_square_scale)
+    return stats
+
+
+def check_cross_entropy(cross_entropy, logits, target, options, what):
+    """The forward with a gradient (into a buffer with a sentinel row after it) and without, against the float64
+    reference: loss and lse at float32's tolerance, row weights exact, the gradient at the logits' dtype's."""
+    rows, classes = logits.shape
+    weighted, eps, softcap, lse_square_scale, broadcast = options
+    g = torch.Generator().manual_seed(classes)
+    weight = torch.rand(classes, generator=g).to(_device()) if weighted else None
+    if broadcast:  # a stride-0 view of one value, as the front passes a mean's 1 / denominator
+        grad_scale = torch.full((1,), 0.37, device=_device()).expand(rows)
+        assert grad_scale.stride(0) == 0
+    else:
+        grad_scale = (torch.rand(rows, generator=g) + 0.5).to(_device())
+    loss, lse, row_weight, grad = cross_entropy_reference(logits, target, weight, -100, eps, softcap, lse_square_scale,
+                                                          grad_scale)
+    storage = torch.full((rows + 1, classes), 7.0, device=_device()).to(logits.dtype)
+    for out, scale in ((storage[:rows], grad_scale), (None, None)):
+        stats = cross_entropy_call(cross_entropy, logits, target, weight, options, scale, out)
+        label = f"{what} options={options} gradient={out is not None}"
+        assert_close(stats[0], loss, torch.float32, f"loss {label}")
+        assert_close(stats[1], lse, torch.float32, f"lse {label}")
+        assert torch.equal(stats[2], row_weight.float()), f"row weight {label}"
+    assert_close(storage[:rows], grad, logits.dtype, f"gradient {what} options={options}")
+    assert (storage[rows] == 7).all(), f"written past the last row: {what}"
+
+
+def _cross_entropy_path(cfg, monkeypatch):
     if cfg.cluster > 1 and torch.cuda.get_device_capability(_device())[0] < 9:
         pytest.skip("clusters need sm_90")
     monkeypatch.setattr(_tuning, "ce_fwd_config", lambda *args: cfg)
-    rows, classes = 6, 3 * cfg.capacity(2) + 5
-    logits = torch.randn(rows, classes, device=_device()).to(torch.bfloat16)
-    target = torch.randint(0, classes, (rows,), device=_device())
-    loss = torch.empty(rows, device=_device())
-    lse = torch.empty(rows, device=_device())
-    cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.1)
-    ref_loss, ref_lse, _ = cross_entropy_reference(logits, target, None, 0.1)
-    assert_close(loss, ref_loss, torch.float32, "loss")
-    assert_close(lse, ref_lse, torch.float32, "lse")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cfg", _tuning.CE_FWD_CONFIGS, ids=str)
+def test_cross_entropy_every_path_matches_float64(cfg, dtype, monkeypatch):
+    """Each forward configuration (a warp, a block, a cluster per row) with and without the gradient, with each
+    option (weights, label smoothing, softcap, z-loss, one grad_scale for all rows or one a row), on rows of part
+    of a tile (some of a cluster's blocks without any), one pass, several tiles (16-byte vectors, element-wise
+    loads, rows off alignment); ignored and invalid targets, a NaN logit, a row far from 0."""
+    _, cross_entropy, _ = _kernels()
+    _cross_entropy_path(cfg, monkeypatch)
+    capacity, vec = cfg.capacity(dtype.itemsize), 16 // dtype.itemsize
+    for classes, unaligned in ((37, False), (capacity, False), (3 * capacity, False), (2 * capacity + 5, False),
+                               (capacity + vec, True)):
+        logits, target = cross_entropy_inputs(9, classes, dtype, unaligned=unaligned, seed=classes)
+        for options in CE_OPTIONS:
+            check_cross_entropy(cross_entropy, logits, target, options, f"{classes} classes unaligned={unaligned}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", _tuning.CE_FWD_CONFIGS, ids=str)
+def test_cross_entropy_in_place_equals_a_separate_gradient(cfg, dtype, monkeypatch):
+    """grad_logits = logits: every element is read before it is overwritten, so the result is bit for bit the
+    gradient written to a separate buffer (one tile from registers; several re-read), int32 targets."""
+    _, cross_entropy, _ = _kernels()
+    _cross_entropy_path(cfg, monkeypatch)
+    capacity = cfg.capacity(dtype.itemsize)
+    for classes, options in itertools.product((37, capacity, 3 * capacity + 5), CE_OPTIONS[::4]):
+        logits, target = cross_entropy_inputs(9, classes, dtype, torch.int32, seed=classes)
+        weight = torch.rand(classes, device=_device()) if options[0] else None
+        grad_scale = torch.rand(9, device=_device()) + 0.5
+        separate = torch.empty_like(logits)
+        stats = cross_entropy_call(cross_entropy, logits, target, weight, options, grad_scale, separate)
+        in_place = logits.clone()
+        in_place_stats = cross_entropy_call(cross_entropy, in_place, target, weight, options, grad_scale, in_place)
+        torch.testing.assert_close(in_place, separate, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(in_place_stats, stats, rtol=0, atol=0, equal_nan=True)
+        assert_close(separate, cross_entropy_reference(logits, target, weight, -100, *options[1:4], grad_scale)[3],
+                     dtype, f"gradient {classes} classes options={options}")
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("blocks_per_sm", [_tuning.CE_SCALE_BLOCKS_PER_SM, 0], ids=["grid", "one-row-of-blocks"])
+def test_cross_entropy_scale(dtype, blocks_per_sm, monkeypatch):
+    """scale(): one factor of 1 leaves the buffer bit for bit (NaN payloads too); one factor, or one a row (1 leaves
+    its row bit for bit; 0 * inf and NaN give NaN), as torch's float32 product rounded to the dtype; element-wise,
+    vector and unaligned rows of one or several tiles; the blocks walking the rows when they are fewer."""
+    _, cross_entropy, _ = _kernels()
+    monkeypatch.setattr(_tuning, "CE_SCALE_BLOCKS_PER_SM", blocks_per_sm)
+    capacity, vec = _tuning.CE_SCALE_CONFIG.capacity(dtype.itemsize), 16 // dtype.itemsize
+    rows = 7
+    per_row = torch.tensor([1.0, 0.0, float("inf"), float("nan"), -2.5, 1.0, 3.0], device=_device())
+    for classes, unaligned in ((37, False), (2 * capacity + vec, False), (capacity + vec, True)):
+        storage = (torch.randn(rows * classes + 1) * 100).to(dtype).to(_device())
+        storage[::97], storage[5::101], storage[7::89] = float("nan"), float("inf"), 0.0
+        buffer = (storage[1:] if unaligned else storage[:-1]).view(rows, classes)
+        original = buffer.clone()
+        cross_entropy.scale(buffer, torch.ones(1, device=_device()))
+        assert torch.equal(_bits(buffer), _bits(original)), "a factor of 1 changed the buffer"
+        for factor in (torch.full((1,), 0.5, device=_device()), torch.full((1,), -3.0, device=_device()), per_row):
+            buffer.copy_(original)
+            cross_entropy.scale(buffer, factor)
+            expected = (original.float() * (factor if factor.numel() == 1 else factor[:, None])).to(dtype)
+            torch.testing.assert_close(buffer, expected, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(_bits(buffer[[0, 5]]), _bits(original[[0, 5]])), "a row's factor of 1 changed the row"
+
+
+@gpu
+def test_cross_entropy_scale_reads_its_factor_on_the_device():
+    """A CUDA graph captured once scales by the factor the tensor holds at each replay (1 leaves the buffer)."""
+    _, cross_entropy, _ = _kernels()
+    buffer = torch.randn(5, 3000, device=_device())
+    original = buffer.clone()
+    factor = torch.full((1,), 2.0, device=_device())
+    cross_entropy.scale(buffer.clone(), factor)  # compiled and loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cross_entropy.scale(buffer, factor)
+    for value in (1.0, 2.0, 1.0, 0.5):
+        factor.fill_(value)
+        graph.replay()
+        original *= value
+        torch.cuda.synchronize()
+        assert torch.equal(buffer, original), value

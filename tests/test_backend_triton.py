@@ -1,13 +1,14 @@
 """Triton backend specifics: availability rules, invalid targets, each kernel path (forced by setting
-multisoft_triton._tuning), streams and devices. Expected values are multisoft.check's float64 references, compared
-at its tolerances by tests/harness.py's assert_close."""
+multisoft_triton._tuning), streams and devices. Expected values are multisoft.check's float64 references (for
+cross-entropy, the backend contract's formulas in float64, `_contract` below), compared at its tolerances by
+tests/harness.py's assert_close."""
 
 import pytest
 import torch
 
 from harness import DEVICE, assert_close
-from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
-                             reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
+from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_softmax,
+                             reference_softmax_backward, softmax_backward_magnitude)
 
 multisoft_triton = pytest.importorskip("multisoft_triton")
 
@@ -40,56 +41,210 @@ def test_cpu_needs_the_interpreter(monkeypatch):
     assert multisoft_triton.unavailable_reason(torch.device("cpu"), torch.float64) is not None
 
 
-@needs_kernels
-@pytest.mark.parametrize("classes", [5, 300, 9000])
-@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
-def test_invalid_targets_are_never_read(classes, target_dtype):
+def _contract(logits, target, weight, ignore_index, smoothing, softcap, lse_square_scale):
+    """(loss, lse, row_weight, dloss/dlogits) in float64 as the backend contract (issue #41) defines them: u the
+    capped logits, loss = (1 - eps) w[t] (lse - u_t) + eps / C sum_j w_j (lse - u_j) + s lse**2, its gradient
+    through u; an ignored row 0 (its lse kept), an invalid target NaN."""
+    x = logits.detach().double().cpu()
+    target = target.long().cpu()
+    rows, classes = x.shape
+    w = torch.ones(classes, dtype=torch.float64) if weight is None else weight.double().cpu()
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    lse = u.logsumexp(1)
+    ignored = target == ignore_index
+    valid = (target >= 0) & (target < classes) & ~ignored
+    t = torch.where(valid, target, 0)
+    w_t = w[t]
+    eps = smoothing
+    loss = (1 - eps) * w_t * (lse - u.gather(1, t[:, None])[:, 0]) + lse_square_scale * lse**2
+    if eps:  # (without, a -inf logit would make 0 * inf)
+        loss = loss + eps / classes * (w * (lse[:, None] - u)).sum(1)
+    p = torch.softmax(u, 1)
+    is_target = torch.nn.functional.one_hot(t, classes).double()
+    grad = (p * ((1 - eps) * w_t + eps / classes * w.sum() + 2 * lse_square_scale * lse)[:, None]
+            - (1 - eps) * w_t[:, None] * is_target - eps / classes * w)
+    if softcap:
+        grad = grad * (1 - (u / softcap) ** 2)
+    nan = float("nan")
+    loss = torch.where(ignored, 0.0, torch.where(valid, loss, nan))
+    grad = torch.where(ignored[:, None], 0.0, torch.where(valid[:, None], grad, nan))
+    return loss, lse, torch.where(ignored, 0.0, w_t), grad
+
+
+def _run_cross_entropy(logits, target, weight, grad_logits, grad_scale, ignore_index=-100, smoothing=0.0,
+                       softcap=0.0, lse_square_scale=0.0):
+    """The triton forward with every per-row output filled with a sentinel first; returns (loss, lse, row_weight)."""
     from multisoft_triton import cross_entropy
 
-    rows = 6
+    stats = torch.full((3, logits.shape[0]), 12345.0, device=logits.device)
+    cross_entropy.forward(logits, target, weight, *stats, grad_logits, grad_scale, ignore_index, smoothing, softcap,
+                          lse_square_scale)
+    return stats
+
+
+CE_PATHS = ["tile", "loop"]
+
+
+@pytest.fixture
+def ce_path(request, monkeypatch):
+    """Forces the cross-entropy kernel path for tiny rows (tile: 2 rows of 64 a program; loop: chunks of 16) and
+    checks, after the test, that every forward launch took it."""
+    from multisoft_triton import _tuning, cross_entropy
+
+    path = request.param
+    if path == "tile":
+        monkeypatch.setattr(_tuning, "CE_TILE_ELEMENTS", 128)
+    else:
+        monkeypatch.setattr(_tuning, "CE_TILE_MAX", 16)
+        monkeypatch.setattr(_tuning, "CE_LOOP_CONFIGS", {4: (16, 4), 2: (16, 4)})
+        monkeypatch.setattr(_tuning, "CE_LOOP_GRAD_CONFIGS", {4: (16, 4), 2: (16, 4)})
+    launched = []
+    real_launch = cross_entropy.launch
+    monkeypatch.setattr(cross_entropy, "launch",
+                        lambda kernel, *args, **kwargs: launched.append(kernel) or real_launch(kernel, *args, **kwargs))
+    yield path
+    expected = cross_entropy._tile_kernel if path == "tile" else cross_entropy._loop_kernel
+    forwards = [k for k in launched if k is not cross_entropy._scale_kernel]
+    assert forwards and all(k is expected for k in forwards), (path, forwards)
+
+
+# (weighted, label_smoothing, softcap, lse_square_scale, ignore_index)
+CE_OPTIONS = {
+    "plain": (False, 0.0, 0.0, 0.0, -100),
+    "weight-smoothing": (True, 0.2, 0.0, 0.0, -100),
+    "softcap-zloss": (False, 0.0, 4.0, 0.01, -100),
+    "everything": (True, 0.1, 3.0, 0.02, -100),
+    "smoothing-softcap-class-ignored": (False, 0.3, 2.5, 0.0, 3),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("options", list(CE_OPTIONS), ids=str)
+@pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
+def test_cross_entropy_forward_and_gradient_match_the_contract(ce_path, options, dtype):
+    """Loss, lse, row weight and grad_scale[i] * dloss_i/dlogits against float64 with a per-row grad_scale: 7 rows
+    of 37 classes (tile: 4 programs, the last half empty; loop: 3 chunks, the last of 5), targets in every chunk,
+    an ignored row (ignore_index -100, or the class 3)."""
+    weighted, smoothing, softcap, lse_square_scale, ignore_index = CE_OPTIONS[options]
+    rows, classes = 7, 37
+    logits = (torch.randn(rows, classes, device=DEVICE) * 3).to(dtype)
+    target = torch.tensor([0, 36, ignore_index, 17, 16, 32, 5], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    grad_scale = torch.rand(rows, device=DEVICE) + 0.25
+    grad = torch.full_like(logits, 12345.0)
+    loss, lse, row_weight = _run_cross_entropy(logits, target, weight, grad, grad_scale, ignore_index, smoothing,
+                                               softcap, lse_square_scale)
+    expected = _contract(logits, target, weight, ignore_index, smoothing, softcap, lse_square_scale)
+    assert_close(loss, expected[0], torch.float32, "loss")
+    assert_close(lse, expected[1], torch.float32, "lse")
+    assert_close(row_weight, expected[2], torch.float32, "row weight")
+    assert_close(grad, expected[3] * grad_scale.double().cpu()[:, None], dtype, "gradient")
+    assert (grad[2] == 0).all() and loss[2] == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
+def test_cross_entropy_in_place_with_a_broadcast_grad_scale(ce_path, dtype):
+    """grad_logits is the logits themselves, grad_scale one value broadcast (stride 0), every option on: the same
+    bits as into a separate buffer, and the contract's values."""
+    rows, classes = 6, 37
+    logits = (torch.randn(rows, classes, device=DEVICE) * 3).to(dtype)
+    target = torch.tensor([36, 1, -100, 20, 15, 33], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5
+    grad_scale = torch.full((1,), 0.125, device=DEVICE).expand(rows)
+    options = (-100, 0.1, 5.0, 0.01)
+    expected = _contract(logits, target, weight, *options)
+    separate = torch.empty_like(logits)
+    stats = _run_cross_entropy(logits, target, weight, separate, grad_scale, *options)
+    in_place = _run_cross_entropy(logits, target, weight, logits, grad_scale, *options)
+    assert torch.equal(in_place, stats)
+    assert torch.equal(logits, separate)
+    assert_close(stats[0], expected[0], torch.float32, "loss")
+    assert_close(logits, expected[3] * 0.125, dtype, "gradient")
+
+
+@needs_kernels
+@pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
+def test_cross_entropy_of_large_logits_is_exact(ce_path):
+    """float32 logits near 5000, where lse rounded to float32 is off by up to 2.4e-4: the loss and the gradient
+    (p = exp(u - max) / sum, not exp(u - lse)) still match float64 at float32's tolerances."""
+    rows, classes = 4, 37
+    logits = torch.randn(rows, classes, device=DEVICE) * 2 + 5000
+    target = torch.tensor([3, 36, 20, 9], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5
+    grad = torch.empty_like(logits)
+    grad_scale = torch.ones(rows, device=DEVICE)
+    loss, _, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, -100, 0.1)
+    expected = _contract(logits, target, weight, -100, 0.1, 0.0, 0.0)
+    assert_close(loss, expected[0], torch.float32, "loss")
+    assert_close(grad, expected[3], torch.float32, "gradient")
+
+
+@needs_kernels
+@pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
+def test_cross_entropy_softcap_past_float32_is_no_cap(ce_path):
+    """A softcap of 1e39 (inf in float32): the same bits as no softcap, for the gradient too."""
+    logits = torch.randn(3, 37, device=DEVICE) * 3
+    target = torch.tensor([5, -100, 30], device=DEVICE)
+    grad_scale = torch.rand(3, device=DEVICE)
+    grads = torch.empty(2, 3, 37, device=DEVICE)
+    huge = _run_cross_entropy(logits, target, None, grads[0], grad_scale, -100, 0.1, 1e39, 0.01)
+    plain = _run_cross_entropy(logits, target, None, grads[1], grad_scale, -100, 0.1, 0.0, 0.01)
+    assert torch.equal(huge, plain) and torch.equal(grads[0], grads[1])
+    expected = _contract(logits, target, None, -100, 0.1, 0.0, 0.01)[3] * grad_scale.double().cpu()[:, None]
+    assert_close(grads[1], expected, torch.float32, "gradient")
+
+
+@needs_kernels
+@pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
+def test_cross_entropy_without_a_gradient_only_reads(ce_path):
+    """grad_logits None: the per-row outputs only, the logits untouched."""
+    rows, classes = 5, 37
+    logits = torch.randn(rows, classes, device=DEVICE) * 3
+    before = logits.clone()
+    target = torch.tensor([4, -100, 36, 0, 21], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5
+    options = (-100, 0.1, 6.0, 0.01)
+    loss, lse, row_weight = _run_cross_entropy(logits, target, weight, None, None, *options)
+    expected = _contract(logits, target, weight, *options)
+    assert_close(loss, expected[0], torch.float32, "loss")
+    assert_close(lse, expected[1], torch.float32, "lse")
+    assert_close(row_weight, expected[2], torch.float32, "row weight")
+    assert torch.equal(logits, before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32], ids=str)
+def test_cross_entropy_invalid_targets_are_never_read(ce_path, target_dtype):
+    """Targets C, -1 and far outside (not ignore_index): loss and gradient row NaN, the other rows as the
+    contract says, lse written for every row."""
+    rows, classes = 6, 37
     logits = torch.randn(rows, classes, device=DEVICE)
     far = 2**40 if target_dtype == torch.int64 else 2**30
     target = torch.tensor([0, classes, -1, far, -far, classes - 1], dtype=target_dtype, device=DEVICE)
-    loss = torch.empty(rows, device=DEVICE)
-    lse = torch.empty(rows, device=DEVICE)
-    cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.1)
     grad = torch.empty_like(logits)
-    cross_entropy.backward(logits, target, None, None, lse, torch.ones(rows, device=DEVICE), grad, -100, 0.1)
-    assert_close(lse, logits.double().logsumexp(1), torch.float32, "lse")
-    assert loss[1:5].isnan().all()
+    grad_scale = torch.ones(rows, device=DEVICE)
+    loss, lse, _ = _run_cross_entropy(logits, target, None, grad, grad_scale, -100, 0.1, 0.0, 0.01)
+    expected = _contract(logits, target, None, -100, 0.1, 0.0, 0.01)
+    assert_close(lse, expected[1], torch.float32, "lse")
+    assert loss[1:5].isnan().all() and grad[1:5].isnan().all()
     valid = [0, 5]
-    expected = reference_cross_entropy(logits[valid], target[valid], label_smoothing=0.1, reduction="none")
-    assert_close(loss[valid], expected, torch.float32, "loss")
-
-
-@needs_kernels
-def test_cross_entropy_backward_in_place():
-    from multisoft_triton import cross_entropy
-
-    logits = torch.randn(7, 1000, device=DEVICE, dtype=torch.bfloat16)
-    target = torch.randint(0, 1000, (7,), device=DEVICE)
-    target[2] = -100
-    weight = torch.rand(1000, device=DEVICE)
-    loss, lse = torch.empty(7, device=DEVICE), torch.empty(7, device=DEVICE)
-    cross_entropy.forward(logits, target, weight, loss, lse, torch.empty_like(lse), -100, 0.2)
-    grad_loss = torch.randn(7, device=DEVICE)
-    args = (target, weight, weight.sum().reshape(1), lse, grad_loss)
-    separate = torch.empty_like(logits)
-    cross_entropy.backward(logits, *args, separate, -100, 0.2)
-    cross_entropy.backward(logits, *args, logits, -100, 0.2)
-    assert torch.equal(logits, separate)
-    assert (separate[2] == 0).all()
+    assert_close(loss[valid], expected[0][valid], torch.float32, "loss")
+    assert_close(grad[valid], expected[3][valid], torch.float32, "gradient")
 
 
 @needs_kernels
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cross_entropy_long_rows(weighted, smoothing):
-    """Rows past the tile, streamed by one program with an online logsumexp: a first block of -inf only,
-    scattered -inf logits, an ignored row and a last block that is mostly masked."""
-    from multisoft_triton import _tuning, cross_entropy
+    """Rows past the tile at the tuned chunk sizes, streamed twice by one program for the gradient, once without:
+    a first chunk of -inf only, scattered -inf logits, an ignored row and a last chunk that is mostly masked."""
+    from multisoft_triton import _tuning
 
-    loop_block = _tuning.CE_LOOP_CONFIGS[4][0]
+    loop_block = _tuning.CE_LOOP_GRAD_CONFIGS[4][0]
     rows, classes = 5, 3 * loop_block + 5
     assert classes > _tuning.CE_TILE_MAX
     logits = torch.randn(rows, classes, device=DEVICE) * 3
@@ -97,17 +252,48 @@ def test_cross_entropy_long_rows(weighted, smoothing):
     logits[3, ::11] = float("-inf")
     target = torch.tensor([7, classes - 1, -100, 12, 2 * loop_block], device=DEVICE)
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
-    loss, lse = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
-    cross_entropy.forward(logits, target, weight, loss, lse, torch.empty_like(lse), -100, smoothing)
-    finite = logits.isfinite().all(1)  # smoothing sums every logit: -inf ones give an infinite loss
-    expected = reference_cross_entropy(logits.double(), target, weight=weight, label_smoothing=smoothing,
-                                       reduction="none")
-    assert_close(lse, logits.double().logsumexp(1), torch.float32, "lse")
+    grad = torch.empty_like(logits)
+    grad_scale = torch.rand(rows, device=DEVICE)
+    loss, lse, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, -100, smoothing)
+    expected = _contract(logits, target, weight, -100, smoothing, 0.0, 0.0)
+    finite = logits.isfinite().all(1).cpu()  # smoothing sums every logit: -inf ones give an infinite loss
     keep = finite | (smoothing == 0.0)
-    assert_close(loss[keep], expected[keep], torch.float32, "loss")
+    assert_close(lse, expected[1], torch.float32, "lse")
+    assert_close(loss.cpu()[keep], expected[0][keep], torch.float32, "loss")
     assert loss[2] == 0
     if smoothing:
-        assert torch.isinf(loss[~finite]).all()
+        assert torch.isinf(loss.cpu()[~finite]).all()
+    assert_close(grad, expected[3] * grad_scale.double().cpu()[:, None], torch.float32, "gradient")
+    loss, lse, _ = _run_cross_entropy(logits, target, weight, None, None, -100, smoothing)   # CE_LOOP_CONFIGS
+    assert_close(lse, expected[1], torch.float32, "lse without the gradient")
+    assert_close(loss.cpu()[keep], expected[0][keep], torch.float32, "loss without the gradient")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 37), (9, 5)], ids=str)
+def test_scale(shape, dtype, monkeypatch):
+    """One factor of 1: the buffer's bits unchanged (NaN among them); one factor of 2.5, NaN, inf; a factor a
+    row (1, 0, -3, inf among them); programs of 16 elements (one row cut in 3, or 2 rows a program)."""
+    from multisoft_triton import _tuning, cross_entropy
+
+    monkeypatch.setattr(_tuning, "CE_SCALE_BLOCK", 16)
+    rows, classes = shape
+    grad = torch.randn(shape, device=DEVICE).to(dtype)
+    grad[1, 2] = float("nan")
+    grad[2, 0] = 0.0
+    bits = grad.view(torch.int32 if dtype == torch.float32 else torch.int16).clone()
+    cross_entropy.scale(grad, torch.ones(1, device=DEVICE))
+    assert torch.equal(grad.view(bits.dtype), bits)
+    for value in (2.5, float("nan"), float("inf")):
+        scaled = grad.clone()
+        cross_entropy.scale(scaled, torch.full((1,), value, device=DEVICE))
+        assert_close(scaled, grad.double() * value, dtype, f"factor {value}")
+    factors = torch.rand(rows, device=DEVICE) * 4 - 2
+    factors[:4] = torch.tensor([1.0, 0.0, -3.0, float("inf")])
+    scaled = grad.clone()
+    cross_entropy.scale(scaled, factors)
+    assert_close(scaled, grad.double() * factors.double()[:, None], dtype, "a factor a row")
 
 
 def _check_softmax(x, log):
@@ -169,9 +355,13 @@ def test_second_device():
     torch.cuda.set_device(0)
     logits = torch.randn(64, 32000, device="cuda:1")
     target = torch.randint(0, 32000, (64,), device="cuda:1")
-    loss, lse = torch.empty(64, device="cuda:1"), torch.empty(64, device="cuda:1")
-    cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), -100, 0.0)
-    assert_close(loss, reference_cross_entropy(logits, target, reduction="none"), torch.float32, "loss")
+    stats = torch.empty(3, 64, device="cuda:1")
+    grad = torch.empty_like(logits)
+    cross_entropy.forward(logits, target, None, *stats, grad, torch.ones(64, device="cuda:1"), -100, 0.0, 0.0, 0.0)
+    cross_entropy.scale(grad, torch.full((1,), 0.5, device="cuda:1"))
+    expected = _contract(logits, target, None, -100, 0.0, 0.0, 0.0)
+    assert_close(stats[0], expected[0], torch.float32, "loss")
+    assert_close(grad, expected[3] * 0.5, torch.float32, "gradient")
     _check_softmax(torch.randn(5, 300000, device="cuda:1"), False)
 
 

@@ -235,18 +235,29 @@ CROSS_ENTROPY_CASES = {
     "ignore-a-class": dict(shape=(9, 37), weighted=True, label_smoothing=0.2, ignore_index=3),
     "one-class": dict(shape=(3, 1), label_smoothing=0.1),
     "one-row": dict(shape=(1, 37), weighted=True, target_dtype=torch.int32),
+    "softcap": dict(shape=(9, 300), softcap=2.0),
+    "softcap-z-loss-weighted-smoothed": dict(shape=(9, 37), weighted=True, label_smoothing=0.1, softcap=4.0,
+                                             lse_square_scale=0.01),
+    "z-loss": dict(shape=(9, 37), lse_square_scale=0.05, target_dtype=torch.int32),
 }
 
 
 def _cross_entropy_inputs(dtype, shape, weighted=False, label_smoothing=0.0, ignore_index=-100,
-                          target_dtype=torch.int64):
-    """(logits, target, weight or None, keyword arguments of F.cross_entropy) of a case."""
+                          target_dtype=torch.int64, softcap=0.0, lse_square_scale=0.0):
+    """(logits, target, weight or None, the scalar arguments of the kernels' forward) of a case."""
     rows, classes = shape
     logits = (torch.randn(shape, device=DEVICE) * 2).to(dtype)
     target = torch.randint(0, classes, (rows,), device=DEVICE)
     target[[r for r in IGNORED_ROWS if r < rows]] = ignore_index
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
-    return logits, target.to(target_dtype), weight, dict(ignore_index=ignore_index, label_smoothing=label_smoothing)
+    return logits, target.to(target_dtype), weight, dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                                         softcap=softcap, lse_square_scale=lse_square_scale)
+
+
+def _reference(logits, target, weight, options):
+    """(per-row loss, lse) in float64 for the kernels' scalar arguments (softcap 0.0: none)."""
+    return reference_cross_entropy(logits, target, weight=weight, reduction="none", return_lse=True,
+                                   **{**options, "softcap": options["softcap"] or None})
 
 
 def _expected_row_weight(target, weight, ignore_index):
@@ -257,91 +268,135 @@ def _expected_row_weight(target, weight, ignore_index):
     return torch.where(ignored, 0.0, target_weight)
 
 
-def _expected_gradient(logits, target, weight, grad_loss, options):
-    """d (sum_i grad_loss[i] * loss_i) / d logits in float64: torch's gradient of the per-row reference."""
+def _expected_gradient(logits, target, weight, grad_scale, options):
+    """d (sum_i grad_scale[i] * loss_i) / d logits in float64: torch's gradient of the per-row reference."""
     logits64 = logits.detach().double().requires_grad_()
-    loss = reference_cross_entropy(logits64, target, weight=weight, reduction="none", **options)
-    (gradient,) = torch.autograd.grad(loss, logits64, grad_loss.double())
+    loss, _ = _reference(logits64, target, weight, options)
+    (gradient,) = torch.autograd.grad(loss, logits64, grad_scale.double())
     return gradient
+
+
+def _cross_entropy_forward(backend, logits, target, weight, options, grad=None, grad_scale_values=None,
+                           broadcast=False, lead=GUARD, loss_fill=NAN):
+    """Runs the forward with every tensor placed: ``grad`` None (no gradient), "separate" (a tensor of its own) or
+    "in-place" (the logits themselves), grad_scale as given or its first value at stride 0. Returns (loss, lse,
+    row_weight, grad_logits or None) after checking that nothing else was written."""
+    call = Placement(lead)
+    rows = logits.shape[0]
+    placed_logits = call.in_place("logits", logits) if grad == "in-place" else call.input("logits", logits)
+    target = call.input("target", target)
+    weight = None if weight is None else call.input("weight", weight)
+    loss = call.output("loss", (rows,), torch.float32, fill=loss_fill)
+    lse, row_weight = (call.output(name, (rows,), torch.float32) for name in ("lse", "row_weight"))
+    grad_logits = grad_scale = None
+    if grad is not None:
+        if broadcast:
+            grad_scale = call.input("grad_scale", grad_scale_values[:1]).expand(rows)
+            assert grad_scale.stride(0) == 0
+        else:
+            grad_scale = call.input("grad_scale", grad_scale_values)
+        grad_logits = placed_logits if grad == "in-place" else call.output("grad_logits", logits.shape, logits.dtype)
+    _kernels(backend, "cross_entropy").forward(placed_logits, target, weight, loss, lse, row_weight, grad_logits,
+                                               grad_scale, options["ignore_index"], options["label_smoothing"],
+                                               options["softcap"], options["lse_square_scale"])
+    call.unchanged()
+    return loss, lse, row_weight, grad_logits
 
 
 @pytest.mark.parametrize("case", list(CROSS_ENTROPY_CASES), ids=str)
 @each_dtype
 @on_each_backend
 def test_cross_entropy_forward(backend, dtype, case):
-    """loss (0 for an ignored row), lse (every row, ignored ones too) and row_weight (w[t], 0 when ignored) all
-    written, the inputs left as they were. loss and lse are float32 from float32 arithmetic on the logits as given:
-    the float32 tolerance whatever the logits' dtype."""
+    """Without a gradient: loss (0 for an ignored row; plus the z-loss otherwise), lse of the capped logits (every
+    row, ignored ones too) and row_weight (w[t], 0 when ignored) all written, the logits only read. loss and lse
+    are float32 from float32 arithmetic on the logits as given: the float32 tolerance whatever their dtype."""
     _skip_unless_runs(backend, dtype)
     logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[case])
-    rows = logits.shape[0]
-    call = Placement()
-    logits, target = call.input("logits", logits), call.input("target", target)
-    weight = call.input("weight", weight) if weight is not None else None
-    loss, lse, row_weight = (call.output(name, (rows,), torch.float32) for name in ("loss", "lse", "row_weight"))
-    _kernels(backend, "cross_entropy").forward(logits, target, weight, loss, lse, row_weight,
-                                               options["ignore_index"], options["label_smoothing"])
-    call.unchanged()
-    expected = reference_cross_entropy(logits, target, weight=weight, reduction="none", **options)
+    loss, lse, row_weight, _ = _cross_entropy_forward(backend, logits, target, weight, options)
+    expected, expected_lse = _reference(logits, target, weight, options)
     assert_close(loss, expected, torch.float32, "loss")
-    assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
+    assert_close(lse, expected_lse, torch.float32, "lse")
     expected_row_weight = _expected_row_weight(target, weight, options["ignore_index"])
     assert torch.equal(row_weight, expected_row_weight), (row_weight, expected_row_weight)
 
 
-CROSS_ENTROPY_BACKWARD_CASES = {
-    # case of CROSS_ENTROPY_CASES, grad_loss one value broadcast to every row (stride 0), grad_logits is logits
+CROSS_ENTROPY_GRADIENT_CASES = {
+    # case of CROSS_ENTROPY_CASES, grad_scale one value broadcast to every row (stride 0), grad_logits is logits
     "plain": ("plain", False, False),
     "broadcast-weighted": ("weighted-smoothed-int32", True, False),
     "in-place-weighted": ("ignore-a-class", False, True),
     "in-place-broadcast": ("smoothed-int32", True, True),
     "one-class-broadcast": ("one-class", True, False),
     "one-row-in-place": ("one-row", False, True),
+    "softcap-in-place": ("softcap", False, True),
+    "softcap-z-loss-broadcast": ("softcap-z-loss-weighted-smoothed", True, False),
+    "softcap-z-loss-in-place": ("softcap-z-loss-weighted-smoothed", False, True),
+    "z-loss": ("z-loss", False, False),
 }
 
 
-def _cross_entropy_backward(backend, logits, target, weight, options, grad_loss_values, broadcast, in_place,
-                            lead=GUARD):
-    """Runs the backward with every tensor placed (grad_loss as given or as its first value at stride 0, grad_logits
-    a tensor of its own or the logits themselves); returns grad_logits."""
-    call = Placement(lead)
-    rows = logits.shape[0]
-    lse = call.input("lse", torch.logsumexp(logits.double(), -1).float())
-    placed_logits = call.in_place("logits", logits) if in_place else call.input("logits", logits)
-    target = call.input("target", target)
-    weight_sum = None if weight is None else call.input("weight_sum", weight.sum().reshape(1))
-    weight = None if weight is None else call.input("weight", weight)
-    if broadcast:
-        grad_loss = call.input("grad_loss", grad_loss_values[:1]).expand(rows)
-        assert grad_loss.stride(0) == 0
-    else:
-        grad_loss = call.input("grad_loss", grad_loss_values)
-    grad_logits = placed_logits if in_place else call.output("grad_logits", logits.shape, logits.dtype)
-    _kernels(backend, "cross_entropy").backward(placed_logits, target, weight, weight_sum, lse, grad_loss, grad_logits,
-                                                options["ignore_index"], options["label_smoothing"])
-    call.unchanged()
-    return grad_logits
-
-
-@pytest.mark.parametrize("case", list(CROSS_ENTROPY_BACKWARD_CASES), ids=str)
+@pytest.mark.parametrize("case", list(CROSS_ENTROPY_GRADIENT_CASES), ids=str)
 @each_dtype
 @on_each_backend
-def test_cross_entropy_backward(backend, dtype, case):
-    """grad_logits = grad_loss[i] * d loss_i / d logits (0 for ignored rows) into a tensor of its own or into the
-    logits (each element read before it is overwritten), grad_loss contiguous or one value at stride 0. A broadcast
-    grad_loss gives exactly what that value repeated per row gives."""
+def test_cross_entropy_forward_with_gradient(backend, dtype, case):
+    """grad_logits = grad_scale[i] * d loss_i / d logits (0 for ignored rows) into a tensor of its own or into the
+    logits (each row read before it is overwritten), with the same loss, lse and row_weight as without it;
+    grad_scale contiguous or one value at stride 0, which gives exactly what that value repeated per row gives."""
     _skip_unless_runs(backend, dtype)
-    inputs, broadcast, in_place = CROSS_ENTROPY_BACKWARD_CASES[case]
+    inputs, broadcast, in_place = CROSS_ENTROPY_GRADIENT_CASES[case]
     logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[inputs])
     rows = logits.shape[0]
-    grad_loss = torch.rand(rows, device=DEVICE) + 0.5
+    grad_scale = torch.rand(rows, device=DEVICE) + 0.5
     if broadcast:
-        grad_loss = grad_loss[:1].repeat(rows)
-    grad = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, broadcast, in_place)
-    assert_close(grad, _expected_gradient(logits, target, weight, grad_loss, options), dtype, "grad_logits")
+        grad_scale = grad_scale[:1].repeat(rows)
+    mode = "in-place" if in_place else "separate"
+    loss, lse, row_weight, grad = _cross_entropy_forward(backend, logits, target, weight, options, mode, grad_scale,
+                                                         broadcast)
+    expected, expected_lse = _reference(logits, target, weight, options)
+    assert_close(loss, expected, torch.float32, "loss")
+    assert_close(lse, expected_lse, torch.float32, "lse")
+    assert torch.equal(row_weight, _expected_row_weight(target, weight, options["ignore_index"]))
+    assert_close(grad, _expected_gradient(logits, target, weight, grad_scale, options), dtype, "grad_logits")
+    ignored = target == options["ignore_index"]
+    assert (grad[ignored] == 0).all(), "an ignored row's gradient is 0"
     if broadcast:
-        per_row = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, False, in_place)
-        assert torch.equal(grad, per_row), "a grad_loss at stride 0 must give what one value per row gives"
+        *_, per_row = _cross_entropy_forward(backend, logits, target, weight, options, mode, grad_scale, False)
+        assert torch.equal(grad, per_row), "a grad_scale at stride 0 must give what one value per row gives"
+
+
+def _check_scale(backend, dtype, factor_values, lead=GUARD):
+    """Runs scale on a placed gradient of 5 rows with a placed factor; returns (before, after)."""
+    call = Placement(lead)
+    before = (torch.randn(5, 37, device=DEVICE) * 3).to(dtype)
+    before[:, 0] = 0.0
+    grad_logits = call.in_place("grad_logits", before)
+    factor = call.input("factor", factor_values.to(torch.float32))
+    _kernels(backend, "cross_entropy").scale(grad_logits, factor)
+    call.unchanged()
+    return before, grad_logits
+
+
+@each_dtype
+@on_each_backend
+def test_cross_entropy_scale_by_one_value(backend, dtype):
+    """scale with a factor of shape (1,): exactly 1 leaves the gradient bit for bit as it was; another value
+    multiplies every row by it; nothing outside grad_logits written, the factor only read."""
+    _skip_unless_runs(backend, dtype)
+    before, after = _check_scale(backend, dtype, torch.ones(1, device=DEVICE))
+    assert torch.equal(_bits(after), _bits(before)), "a factor of exactly 1 must leave grad_logits untouched"
+    before, after = _check_scale(backend, dtype, torch.full((1,), -2.75, device=DEVICE))
+    assert_close(after, before.double() * -2.75, dtype, "grad_logits * -2.75")
+
+
+@each_dtype
+@on_each_backend
+def test_cross_entropy_scale_per_row(backend, dtype):
+    """scale with a factor of shape (M,): row i times factor[i]; inf and NaN propagate (0 * inf is NaN)."""
+    _skip_unless_runs(backend, dtype)
+    factor = torch.tensor([0.5, 1.0, 3.25, INF, NAN], device=DEVICE)
+    before, after = _check_scale(backend, dtype, factor)
+    assert_close(after, before.double() * factor.double().unsqueeze(1), dtype, "grad_logits * factor")
+    assert torch.isnan(after[3, 0]) and torch.isnan(after[4]).all(), "0 * inf and x * NaN are NaN"
 
 
 def _invalid_targets(target_dtype, classes):
@@ -358,45 +413,31 @@ def _invalid_targets(target_dtype, classes):
 @pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32], ids=str)
 @on_each_backend
 def test_cross_entropy_invalid_targets(backend, target_dtype):
-    """A target outside [0, C) that is not ignore_index: ValueError, or a NaN loss for its row (the other rows
-    right, lse right for every row); its gradient row is unspecified but written in bounds, here into the logits
-    themselves, which sit between sentinels."""
+    """A target outside [0, C) that is not ignore_index: a NaN loss for its row (the other rows right, lse right for
+    every row); its gradient row is unspecified but written in bounds, here into the logits themselves, which sit
+    between sentinels."""
     classes = 37
     target = _invalid_targets(target_dtype, classes)
     rows = target.numel()
-    valid = (target >= 0) & (target < classes)
-    invalid = ~valid & (target != -100)
+    invalid = ~((target >= 0) & (target < classes)) & (target != -100)
     known = ~invalid
     logits = torch.randn(rows, classes, device=DEVICE) * 2
-    options = dict(ignore_index=-100, label_smoothing=0.1)
+    options = dict(ignore_index=-100, label_smoothing=0.1, softcap=0.0, lse_square_scale=0.01)
     weight = torch.rand(classes, device=DEVICE) + 0.5
-
-    call = Placement()
-    placed, placed_target, placed_weight = (call.input(n, t) for n, t in
-                                            (("logits", logits), ("target", target), ("weight", weight)))
-    loss = call.output("loss", (rows,), torch.float32, fill=0.5)   # NaN is an answer here: start from another value
-    lse, row_weight = call.output("lse", (rows,), torch.float32), call.output("row_weight", (rows,), torch.float32)
-    try:
-        _kernels(backend, "cross_entropy").forward(placed, placed_target, placed_weight, loss, lse, row_weight,
-                                                   options["ignore_index"], options["label_smoothing"])
-    except ValueError as error:
-        assert "target" in str(error), error
-    else:
+    grad_scale = torch.rand(rows, device=DEVICE) + 0.5
+    for grad in (None, "in-place"):
+        # NaN is an answer here: the loss starts from another value
+        loss, lse, row_weight, grad_logits = _cross_entropy_forward(backend, logits, target, weight, options, grad,
+                                                                    grad_scale, loss_fill=0.5)
         assert torch.isnan(loss[invalid]).all(), f"loss of the rows with invalid targets: {loss[invalid]}"
-        expected = reference_cross_entropy(logits[known], target[known], weight=weight, reduction="none", **options)
+        expected, expected_lse = _reference(logits[known], target[known], weight, options)
         assert_close(loss[known], expected, torch.float32, "loss of the other rows")
-        assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
+        _, expected_lse = _reference(logits, torch.zeros_like(target), weight, options)
+        assert_close(lse, expected_lse, torch.float32, "lse")
         assert torch.equal(row_weight[known], _expected_row_weight(target[known], weight, -100))
-    call.unchanged()
-
-    grad_loss = torch.rand(rows, device=DEVICE) + 0.5
-    try:
-        grad = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, False, True)
-    except ValueError as error:
-        assert "target" in str(error), error
-    else:
-        expected = _expected_gradient(logits[known], target[known], weight, grad_loss[known], options)
-        assert_close(grad[known], expected, torch.float32, "gradient of the other rows")
+        if grad is not None:
+            expected_grad = _expected_gradient(logits[known], target[known], weight, grad_scale[known], options)
+            assert_close(grad_logits[known], expected_grad, torch.float32, "gradient of the other rows")
 
 
 # -- blocksparse.py
@@ -496,23 +537,20 @@ def test_unaligned_tensors_stay_in_bounds(backend, dtype):
     for log in (False, True):
         _check_softmax_forward(backend, dtype, (3, 70), log, lead=UNALIGNED)
         _check_softmax_backward(backend, dtype, (3, 70), log, lead=UNALIGNED)
-    logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES["weighted-smoothed-int32"])
-    rows = logits.shape[0]
-    call = Placement(UNALIGNED)
-    placed, placed_target, placed_weight = (call.input(n, t) for n, t in
-                                            (("logits", logits), ("target", target), ("weight", weight)))
-    loss, lse, row_weight = (call.output(name, (rows,), torch.float32) for name in ("loss", "lse", "row_weight"))
-    _kernels(backend, "cross_entropy").forward(placed, placed_target, placed_weight, loss, lse, row_weight,
-                                               options["ignore_index"], options["label_smoothing"])
-    call.unchanged()
-    assert_close(loss, reference_cross_entropy(logits, target, weight=weight, reduction="none", **options),
-                 torch.float32, "loss")
-    grad_loss = torch.rand(rows, device=DEVICE) + 0.5
-    for in_place in (False, True):
-        grad = _cross_entropy_backward(backend, logits, target, weight, options, grad_loss, False, in_place,
-                                       lead=UNALIGNED)
-        assert_close(grad, _expected_gradient(logits, target, weight, grad_loss, options), dtype,
-                     f"grad_logits{' in place' if in_place else ''}")
+    logits, target, weight, options = _cross_entropy_inputs(
+        dtype, **CROSS_ENTROPY_CASES["softcap-z-loss-weighted-smoothed"])
+    expected, _ = _reference(logits, target, weight, options)
+    grad_scale = torch.rand(logits.shape[0], device=DEVICE) + 0.5
+    for grad in (None, "separate", "in-place"):
+        loss, _, _, grad_logits = _cross_entropy_forward(backend, logits, target, weight, options, grad, grad_scale,
+                                                         lead=UNALIGNED)
+        assert_close(loss, expected, torch.float32, f"loss ({grad or 'no'} gradient)")
+        if grad is not None:
+            assert_close(grad_logits, _expected_gradient(logits, target, weight, grad_scale, options), dtype,
+                         f"grad_logits {grad}")
+    factor = torch.rand(5, device=DEVICE) + 0.5
+    before, after = _check_scale(backend, dtype, factor, lead=UNALIGNED)
+    assert_close(after, before.double() * factor.double().unsqueeze(1), dtype, "scale per row")
     spec = BLOCKSPARSE_CASES["b16"]
     x, layout, lut = _blocksparse_inputs(dtype, spec["layout"], spec["block"], spec["z"], spec["scale"])
     _check_blocksparse_forward(backend, x, layout, lut, spec["scale"], True, lead=UNALIGNED)

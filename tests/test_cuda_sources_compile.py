@@ -186,12 +186,17 @@ def test_every_softmax_kernel_a_call_can_choose_is_compiled(cc):
 
 @pytest.mark.parametrize("cc", [80, 90])
 def test_every_cross_entropy_kernel_a_call_can_choose_is_compiled(cc):
+    """The forward for every shape, with and without the gradient and the softcap (as cross_entropy.forward names
+    it), and the gradient's scaling."""
     kernels = _compiled(_instances.CROSS_ENTROPY_SOURCE, cc)
+    flags = list(itertools.product((False, True), repeat=2))
     for (ctype, elem), index_type in itertools.product(_ELEMENTS, _instances.INDEX_TYPES):
         for rows, classes, sm_count in itertools.product((1, 7, 64, 132, 264, 8192), _COLUMNS, (108, 132)):
             cfg = _tuning.ce_fwd_config(rows, classes, elem, cc, sm_count)
-            assert _instances.ce_fwd_kernel(ctype, index_type, cfg) in kernels[ctype], (rows, classes)
-        assert _instances.ce_bwd_kernel(ctype, index_type, _tuning.CE_BWD_CONFIG) in kernels[ctype]
+            for grad, softcap in flags:
+                expression = _instances.ce_fwd_kernel(ctype, index_type, grad, softcap, cfg)
+                assert expression in kernels[ctype], (rows, classes)
+        assert _instances.ce_scale_kernel(ctype, _tuning.CE_SCALE_CONFIG) in kernels[ctype]
 
 
 @pytest.mark.parametrize("cc", [80, 90])

@@ -9,6 +9,7 @@ so every launchable kernel is compiled in CI.
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 
 from . import _tuning
@@ -52,13 +53,16 @@ def split_kernel(direction: str, ctype: str, cfg: SplitConfig) -> str:
     return f"softmax_{direction}_split<{ctype}, {cfg.threads}, {cfg.vpt}>"
 
 
-def ce_fwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
-    return _row_kernel("ce_fwd", ctype, cfg, index_type)
+def ce_fwd_kernel(ctype: str, index_type: str, grad: bool, softcap: bool, cfg: RowConfig) -> str:
+    """The cross-entropy forward for targets of `index_type`; with `grad` it writes the gradient too, with `softcap`
+    it caps the logits."""
+    flags = ", ".join("true" if flag else "false" for flag in (grad, softcap))
+    return _row_kernel("ce_fwd", ctype, cfg, f"{index_type}, {flags}")
 
 
-def ce_bwd_kernel(ctype: str, index_type: str, cfg: RowConfig) -> str:
+def ce_scale_kernel(ctype: str, cfg: RowConfig) -> str:
     min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
-    return f"ce_bwd<{ctype}, {index_type}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
+    return f"ce_scale<{ctype}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
 
 
 def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
@@ -93,8 +97,10 @@ def _softmax_split(ctype: str) -> list[str]:
 
 
 def _cross_entropy(ctype: str, cc: int) -> list[str]:
-    forward = [ce_fwd_kernel(ctype, i, c) for i in INDEX_TYPES for c in _tuning.usable(_tuning.CE_FWD_CONFIGS, cc)]
-    return forward + [ce_bwd_kernel(ctype, i, _tuning.CE_BWD_CONFIG) for i in INDEX_TYPES]
+    configs = _tuning.usable(_tuning.CE_FWD_CONFIGS, cc)
+    flags = list(itertools.product((False, True), repeat=2))
+    forward = [ce_fwd_kernel(ctype, i, grad, cap, c) for i in INDEX_TYPES for grad, cap in flags for c in configs]
+    return forward + [ce_scale_kernel(ctype, _tuning.CE_SCALE_CONFIG)]
 
 
 def _blocksparse(ctype: str) -> list[str]:

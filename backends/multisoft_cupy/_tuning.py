@@ -222,9 +222,10 @@ CE_FWD_BLOCK_16BIT = RowConfig(256, 1, 4, 1, 4)  # forward, 16-bit: a block per 
 # else of 8
 CE_FWD_CLUSTERS = (RowConfig(256, 1, 4, 4), RowConfig(256, 1, 4, 8))
 CE_FWD_CONFIGS = (CE_FWD_WARP, CE_FWD_BLOCK, CE_FWD_BLOCK_16BIT, *CE_FWD_CLUSTERS)  # every forward configuration
-# Backward: TPR threads per block, VPT vectors per thread, MIN_BLOCKS a multiprocessor (rows, cluster unused)
-# (docs/tuning.md).
-CE_BWD_CONFIG = RowConfig(256, 1, 4, 1, 4)
+# The gradient's scaling (ce_scale): TPR threads per block, VPT vectors per thread, MIN_BLOCKS a multiprocessor
+# (rows, cluster unused): the shape an elementwise cross-entropy backward measured best with (docs/tuning.md).
+CE_SCALE_CONFIG = RowConfig(256, 1, 4, 1, 4)
+CE_SCALE_BLOCKS_PER_SM = 8  # blocks of ce_scale a multiprocessor at most (two waves of four), walking the rows
 
 
 def ce_fwd_config(rows: int, classes: int, elem_size: int, cc: int, sm_count: int) -> RowConfig:
@@ -236,6 +237,14 @@ def ce_fwd_config(rows: int, classes: int, elem_size: int, cc: int, sm_count: in
     if cc < CLUSTER_MIN_CC or rows >= 2 * sm_count or tiles < 8:
         return CE_FWD_BLOCK_16BIT if elem_size == 2 else CE_FWD_BLOCK
     return CE_FWD_CLUSTERS[0] if rows >= sm_count // 2 else CE_FWD_CLUSTERS[1]
+
+
+def ce_scale_grid(rows: int, classes: int, elem_size: int, sm_count: int) -> tuple[int, int, int]:
+    """ce_scale's grid: a block per tile of a row (x), rows in y up to CE_SCALE_BLOCKS_PER_SM blocks a
+    multiprocessor in all (fewer blocks to return at once when the factor is 1; beyond, the blocks walk rows)."""
+    tiles = -(-classes // CE_SCALE_CONFIG.capacity(elem_size))
+    row_blocks = max(1, CE_SCALE_BLOCKS_PER_SM * sm_count // tiles)
+    return min(tiles, MAX_GRID), min(rows, MAX_GRID_Y, row_blocks), 1
 
 
 # ---- block-sparse softmax (blocksparse.cu)

@@ -1,4 +1,5 @@
-"""Cross-entropy forward (online logsumexp per row) and elementwise backward, from cross_entropy.cu."""
+"""Cross-entropy in one pass (loss, lse, row weight and, when wanted, the scaled gradient) and the backward's
+scaling of that gradient, from cross_entropy.cu."""
 
 from __future__ import annotations
 
@@ -6,30 +7,43 @@ from . import _instances, _tuning
 from ._launch import aligned, ctype, device_index, device_info, f32, i32, i64, index_ctype, launch, ptr
 
 SOURCE = _instances.CROSS_ENTROPY_SOURCE
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
-def forward(logits, target, weight, loss, lse, row_weight, ignore_index: int, label_smoothing: float) -> None:
+def _kernel_softcap(softcap: float) -> float:
+    """The softcap as the kernels take it: 0 for none, and 0 too for a cap beyond float32's range (so large that
+    softcap * tanh(x / softcap) rounds to x for every float32 x)."""
+    return softcap if softcap <= _FLOAT32_MAX else 0.0
+
+
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
+            label_smoothing: float, softcap: float, lse_square_scale: float) -> None:
+    """A row group (warp, block or cluster) per row reads it once, and with `grad_logits` writes
+    grad_scale[i] * dloss_i / dlogits (from registers, or re-reading the row's other tiles)."""
     rows, classes = logits.shape
     elem = logits.element_size()
     cc, sm_count = device_info(device_index(logits))
     cfg = _tuning.ce_fwd_config(rows, classes, elem, cc, sm_count)
-    vec = classes % (16 // elem) == 0 and aligned(logits)
-    args = (ptr(logits), ptr(target), ptr(weight), ptr(loss), ptr(lse), ptr(row_weight), i64(rows), i64(classes),
-            i64(ignore_index), f32(label_smoothing), i32(vec))
-    expression = _instances.ce_fwd_kernel(ctype(logits.dtype), index_ctype(target.dtype), cfg)
+    grad = grad_logits is not None
+    softcap = _kernel_softcap(softcap)
+    vec = classes % (16 // elem) == 0 and aligned(logits) and (not grad or aligned(grad_logits))
+    scale_stride = grad_scale.stride(0) if grad else 0
+    args = (ptr(logits), ptr(target), ptr(weight), ptr(loss), ptr(lse), ptr(row_weight), ptr(grad_logits),
+            ptr(grad_scale if grad else None), i64(scale_stride), i64(rows), i64(classes), i64(ignore_index),
+            f32(label_smoothing), f32(softcap), f32(lse_square_scale), i32(vec))
+    expression = _instances.ce_fwd_kernel(ctype(logits.dtype), index_ctype(target.dtype), grad, softcap != 0, cfg)
     launch(logits, SOURCE, expression, (_tuning.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
 
 
-def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index: int,
-             label_smoothing: float) -> None:
-    """The rows from the last one, which the forward read most recently (its tiles may still be in L2)."""
-    rows, classes = logits.shape
-    elem = logits.element_size()
-    cfg = _tuning.CE_BWD_CONFIG
-    tiles = -(-classes // cfg.capacity(elem))
-    vec = classes % (16 // elem) == 0 and aligned(logits, grad_logits)
-    args = (ptr(logits), ptr(target), ptr(weight), ptr(weight_sum), ptr(lse), ptr(grad_loss), i64(grad_loss.stride(0)),
-            ptr(grad_logits), i64(rows), i64(classes), i64(ignore_index), f32(label_smoothing), i32(vec))
-    expression = _instances.ce_bwd_kernel(ctype(logits.dtype), index_ctype(target.dtype), cfg)
-    grid = (min(tiles, _tuning.MAX_GRID), min(rows, _tuning.MAX_GRID_Y), 1)
-    launch(logits, SOURCE, expression, grid, (cfg.threads, 1, 1), args)
+def scale(grad_logits, factor) -> None:
+    """grad_logits *= factor: one factor (shape (1,), read on the device; 1 returns at once) or one a row."""
+    rows, classes = grad_logits.shape
+    elem = grad_logits.element_size()
+    cfg = _tuning.CE_SCALE_CONFIG
+    _, sm_count = device_info(device_index(grad_logits))
+    grid = _tuning.ce_scale_grid(rows, classes, elem, sm_count)
+    vec = classes % (16 // elem) == 0 and aligned(grad_logits)
+    factor_stride = 0 if factor.numel() == 1 else factor.stride(0)
+    args = (ptr(grad_logits), ptr(factor), i64(factor_stride), i64(rows), i64(classes), i32(vec))
+    expression = _instances.ce_scale_kernel(ctype(grad_logits.dtype), cfg)
+    launch(grad_logits, SOURCE, expression, grid, (cfg.threads, 1, 1), args)

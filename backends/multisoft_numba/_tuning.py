@@ -42,9 +42,18 @@ PACK_16BIT = True
 
 # -- cross-entropy (cross_entropy.py)
 
-CE_UNROLL = 16             # forward: elements a thread reads per step (docs/tuning.md)
-CE_BACKWARD_UNROLL = 16    # backward: elements a thread (docs/tuning.md)
-CE_BACKWARD_THREADS = 256  # backward: most threads a block
+# Forward with a gradient: float32 values of its row a thread holds in registers, when the row then fits a block of
+# at most CE_CACHED_THREADS threads; the gradient is written from them. Longer rows, and every forward without a
+# gradient, read CE_UNROLL elements a thread a step (a block of about C / (4 * CE_UNROLL) threads) and re-read the
+# row for the gradient, its last part first.
+CE_CACHE = 32
+CE_CACHED_THREADS = 1024
+CE_UNROLL = 16             # (docs/tuning.md)
+# scale(): elements a thread, most threads a block, and blocks a multiprocessor at most (a block walks rows
+# beyond: fewer blocks to return at once when the factor is 1).
+CE_SCALE_UNROLL = 16       # (docs/tuning.md: the elementwise backward's CE_BACKWARD_UNROLL)
+CE_SCALE_THREADS = 256
+CE_SCALE_BLOCKS_PER_SM = 8
 
 # -- block-sparse softmax (blocksparse.py)
 

@@ -1,52 +1,42 @@
-"""Per-row cross-entropy and its gradient in PyTorch, float64 arithmetic; raises on targets out of range."""
+"""Per-row cross-entropy and its gradient in PyTorch, float64 arithmetic on a float64 copy of the logits.
+
+A target outside [0, C) that is not ``ignore_index`` gives a NaN loss and a NaN gradient row, and is never read.
+"""
 
 import torch
 
 
-def _check_targets(target: torch.Tensor, classes: int, ignore_index: int) -> torch.Tensor:
-    valid = target != ignore_index
-    if bool((valid & ((target < 0) | (target >= classes))).any()):
-        raise ValueError(f"target holds class indices outside [0, {classes}) that are not ignore_index={ignore_index}")
-    return valid
-
-
-def _probabilities(logits, lse):
-    x = logits.to(torch.float64)
-    return x, (x - lse.to(x.dtype).unsqueeze(1)).exp()
-
-
-def forward(logits, target, weight, loss, lse, row_weight, ignore_index: int, label_smoothing: float) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
+            label_smoothing: float, softcap: float, lse_square_scale: float) -> None:
     classes = logits.shape[1]
-    valid = _check_targets(target, classes, ignore_index)
+    eps, s = label_smoothing, lse_square_scale
     x = logits.to(torch.float64)
-    row_lse = x.logsumexp(-1)
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < classes)
+    safe = torch.where(in_range & ~ignored, target, 0).long()
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.to(torch.float64)
+    target_weight = w[safe]
+    row_lse = u.logsumexp(-1)
+    per_row = ((1.0 - eps) * target_weight * (row_lse - u.gather(1, safe.unsqueeze(1)).squeeze(1))
+               + eps / classes * ((row_lse.unsqueeze(1) - u) * w).sum(-1) + s * row_lse.square())
     lse.copy_(row_lse)
-    safe_target = torch.where(valid, target, 0).long()
-    nll = row_lse - x.gather(1, safe_target.unsqueeze(1)).squeeze(1)
-    w = weight.to(x.dtype) if weight is not None else None
-    target_weight = w[safe_target] if w is not None else torch.ones_like(nll)
-    row_weight.copy_(torch.where(valid, target_weight, 0.0))
-    nll = nll * target_weight
-    per_row = (1.0 - label_smoothing) * nll
-    if label_smoothing:
-        neg_log_p = row_lse.unsqueeze(1) - x
-        smooth = (neg_log_p * w).sum(-1) if w is not None else neg_log_p.sum(-1)
-        per_row = per_row + label_smoothing / classes * smooth
-    loss.copy_(torch.where(valid, per_row, 0.0))
+    loss.copy_(torch.where(ignored, 0.0, torch.where(in_range, per_row, float("nan"))))
+    row_weight.copy_(torch.where(ignored, 0.0, target_weight))
+    if grad_logits is None:
+        return
+    p = torch.softmax(u, -1)
+    one_hot = torch.zeros_like(p).scatter_(1, safe.unsqueeze(1), 1.0)
+    grad_u = (p * ((1.0 - eps) * target_weight + eps / classes * w.sum() + 2.0 * s * row_lse).unsqueeze(1)
+              - (1.0 - eps) * target_weight.unsqueeze(1) * one_hot - eps / classes * w)
+    grad = grad_u * (1.0 - (u / softcap).square()) if softcap else grad_u
+    g = torch.where(ignored, 0.0, torch.where(in_range, grad_scale.to(torch.float64), float("nan")))
+    grad_logits.copy_(grad * g.unsqueeze(1))
 
 
-def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index: int,
-             label_smoothing: float) -> None:
-    classes = logits.shape[1]
-    valid = _check_targets(target, classes, ignore_index)
-    x, p = _probabilities(logits, lse)
-    safe_target = torch.where(valid, target, 0).long()
-    one_hot = torch.zeros_like(p).scatter_(1, safe_target.unsqueeze(1), 1.0)
-    if weight is not None:
-        w = weight.to(p.dtype)
-        grad = (1.0 - label_smoothing) * w[safe_target].unsqueeze(1) * (p - one_hot)
-        grad = grad + label_smoothing / classes * (weight_sum.to(p.dtype) * p - w)
-    else:
-        grad = (1.0 - label_smoothing) * (p - one_hot) + label_smoothing / classes * (classes * p - 1.0)
-    scale = torch.where(valid, grad_loss.to(p.dtype), 0.0).unsqueeze(1)
-    grad_logits.copy_(grad * scale)
+def scale(grad_logits, factor) -> None:
+    """grad_logits *= factor in float64 (one value, shape (1,), or one per row); one value of exactly 1 read on
+    the host leaves grad_logits untouched (CPU tensors only: elsewhere that would synchronise)."""
+    if factor.shape[0] == 1 and factor.device.type == "cpu" and factor.item() == 1.0:
+        return
+    grad_logits.copy_(grad_logits.to(torch.float64) * factor.to(torch.float64).unsqueeze(1))

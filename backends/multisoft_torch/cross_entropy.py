@@ -1,10 +1,10 @@
-"""Per-row cross-entropy and its gradient in PyTorch's own ops, a chunk of rows at a time.
+"""Per-row cross-entropy and, in the same pass, its gradient, in PyTorch's own ops, a chunk of rows at a time.
 
 Arithmetic is float32 (float64 for float64 logits): 16-bit logits are
 converted a chunk at a time into a workspace of one chunk, reused by every
-chunk, so forward plus backward allocate nothing of the logits' size but the
-gradient (none in place, where ``grad_logits`` is ``logits``: each chunk is read
-before it is overwritten). A target outside [0, C) that is not
+chunk, so the forward allocates nothing of the logits' size but the gradient
+the front hands it (none in place, where ``grad_logits`` is ``logits``: each
+chunk is read before it is overwritten). A target outside [0, C) that is not
 ``ignore_index`` gives a NaN loss and a NaN gradient row, decided on the device
 (no host synchronisation), and is never read.
 """
@@ -45,80 +45,92 @@ def _targets(target: torch.Tensor, classes: int, ignore_index: int):
     return ignored, in_range, safe
 
 
-def _exponentials(x, out):
-    """Writes torch.softmax(x) into ``out``; returns its row sums, added in a tree: ``out`` / sums is softmax(x).
+def _log_sum_shifted(exponentials):
+    """(row sums of ``exponentials``, log(sum(exp(u - m)))) from torch.softmax(u)'s output.
 
     torch's own softmax kernel is the fastest way to the exponentials, but on the CPU it adds them in order,
-    which over long rows is off by more than float32's tolerance: its output is exp(x - max) / S with that
-    inexact S, whose row sums are the true sum of exp(x - max) over S.
+    which over long rows is off by more than float32's tolerance: its output is exp(u - m) / S with that
+    inexact S. Its row sums, added in a tree, are the true sum of exp(u - m) over S, and its largest element
+    (the max's, exp(0) / S) is 1 / S: so p = output / sums, and log of the true sum is log(sums) - log(1 / S).
+    Kept apart from m, a row's loss is (m - u[t]) + that log: both terms exact or small, where m + log rounded
+    to float32 would be off by half its unit in the last place (0.0005 for logits near 10^4).
     """
-    torch.softmax(x, -1, out=out)
-    return out.sum(-1)
+    sums = exponentials.sum(-1)
+    return sums, sums.log().sub_(exponentials.amax(-1).log_())
 
 
-def _log_sum_exp_shifted(x, scratch):
-    """(row max m, log(sum(exp(x - m)))) per row, using ``scratch``: log(true sum / S) - log(1 / S), where 1 / S is
-    the largest exponential that _exponentials writes (the max's, exp(0) / S). Kept apart, they give a row's
-    losses as (m - x) + log-sum: both of its terms exact or small, where m + log-sum rounded to float32 would
-    be off by half its unit in the last place (0.0005 for logits near 10^4)."""
-    row_max = x.amax(-1)
-    sums = _exponentials(x, scratch)
-    return row_max, sums.log_().sub_(scratch.amax(-1).log_())
-
-
-def forward(logits, target, weight, loss, lse, row_weight, ignore_index: int, label_smoothing: float) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
+            label_smoothing: float, softcap: float, lse_square_scale: float) -> None:
+    """With u = softcap * tanh(x / softcap) (or x), per row: lse, loss (plus lse_square_scale * lse**2 when not
+    ignored), row_weight, and when ``grad_logits`` is given, grad_scale[i] * d loss_i / d x, as
+    p * a - (1 - eps) * w[t] at the target - eps / C * w with a = (1 - eps) * w[t] + eps / C * W + 2 * s * lse,
+    times 1 - (u / softcap)**2 under a softcap."""
     classes = logits.shape[1]
     keep, smooth_per_class = 1.0 - label_smoothing, label_smoothing / classes
-    workspace = _Workspace(logits, lse.dtype)
+    compute = lse.dtype
+    workspace = _Workspace(logits, compute)
+    weight_sum = weight.sum() if weight is not None else classes
+    # the gradient is computed in its own memory when it has the compute dtype (even when it is the logits)
+    direct = grad_logits is not None and grad_logits.dtype == compute
+    converted = logits.dtype != compute  # each chunk of x is then a copy of its own
     for rows in workspace.chunks:
         x = workspace.rows_of(logits, rows)
-        scratch = workspace.get("scratch", rows)
-        ignored, in_range, safe = _targets(target[rows], classes, ignore_index)
-        row_max, log_sum = _log_sum_exp_shifted(x, scratch)
-        # torch.logsumexp's value where the max is infinite (the shifted sum is NaN there)
-        lse[rows] = torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)
-        nll = (row_max - x.gather(1, safe.unsqueeze(1)).squeeze(1)).add_(log_sum)
-        if weight is not None:
-            target_weight = weight[safe]
-            nll = nll * target_weight
-            row_weight[rows] = torch.where(ignored, 0.0, target_weight)
+        if softcap:
+            u = torch.div(x, softcap, out=workspace.get("capped", rows)).tanh_().mul_(softcap)
         else:
-            row_weight[rows] = torch.where(ignored, 0.0, 1.0)
-        per_row = keep * nll
+            u = x
+        ignored, in_range, safe = _targets(target[rows], classes, ignore_index)
+        row_max = u.amax(-1)
+        shifted_target = row_max - u.gather(1, safe.unsqueeze(1)).squeeze(1)
         if label_smoothing:
-            # sum_c w[c] * ((m - x[c]) + log-sum), term by term
-            neg_log_p = torch.sub(row_max.unsqueeze(1), x, out=scratch).add_(log_sum.unsqueeze(1))
-            smooth = neg_log_p @ weight if weight is not None else neg_log_p.sum(-1)
-            per_row = per_row + smooth_per_class * smooth
-        loss[rows] = torch.where(ignored, 0.0, torch.where(in_range, per_row, float("nan")))
-
-
-def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index: int,
-             label_smoothing: float) -> None:
-    """grad = g * ((1 - eps) * w[t] * (p - onehot(t)) + eps / C * (W * p - w)), as p * a - g * eps / C * w with
-    a = g * ((1 - eps) * w[t] + eps / C * W), then g * (1 - eps) * w[t] taken off at the target. p is computed
-    afresh (as the forward does), not from ``lse``: one pass of torch's softmax kernel instead of two."""
-    classes = logits.shape[1]
-    keep, smooth_per_class = 1.0 - label_smoothing, label_smoothing / classes
-    workspace = _Workspace(logits, lse.dtype)
-    direct = grad_logits.dtype == lse.dtype  # computed in the gradient's own memory (even when it is the logits)
-    for rows in workspace.chunks:
-        ignored, in_range, safe = _targets(target[rows], classes, ignore_index)
-        g = torch.where(ignored, 0.0, torch.where(in_range, grad_loss[rows], float("nan")))
-        x = workspace.rows_of(logits, rows)
-        grad = grad_logits[rows] if direct else x  # x is then the chunk's converted copy, free to overwrite
-        sums = _exponentials(x, grad)  # p = grad / sums
-        if weight is None:
-            grad.mul_((g / sums).unsqueeze(1))  # a = g: (1 - eps) + eps / C * C
-            if label_smoothing:
-                grad.sub_((g * smooth_per_class).unsqueeze(1))
-            at_target = g * keep
+            # sum_c w[c] * (m - u[c]): every term >= 0, read before the exponentials may overwrite u
+            shifted = torch.sub(row_max.unsqueeze(1), u, out=workspace.get("scratch", rows))
+            shifted_smooth = shifted @ weight if weight is not None else shifted.sum(-1)
+        if direct:
+            exponentials = grad_logits[rows]
+        elif converted:
+            exponentials = x  # a converted copy, no longer needed once u is known
         else:
-            target_weight = weight[safe]
-            grad.mul_((g * (keep * target_weight + smooth_per_class * weight_sum) / sums).unsqueeze(1))
-            if label_smoothing:
+            exponentials = workspace.get("scratch", rows)
+        torch.softmax(u, -1, out=exponentials)
+        sums, log_sum = _log_sum_shifted(exponentials)
+        # torch.logsumexp's value where the max is infinite (the shifted sum is NaN there)
+        row_lse = torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)
+        lse[rows] = row_lse
+        target_weight = weight[safe] if weight is not None else None
+        nll = shifted_target.add_(log_sum)
+        per_row = keep * (nll * target_weight if target_weight is not None else nll)
+        if label_smoothing:
+            per_row = per_row + smooth_per_class * (shifted_smooth + weight_sum * log_sum)
+        if lse_square_scale:
+            per_row = per_row + lse_square_scale * row_lse.square()
+        loss[rows] = torch.where(ignored, 0.0, torch.where(in_range, per_row, float("nan")))
+        row_weight[rows] = torch.where(ignored, 0.0, target_weight if target_weight is not None else 1.0)
+        if grad_logits is None:
+            continue
+        g = torch.where(ignored, 0.0, torch.where(in_range, grad_scale[rows], float("nan")))
+        at_target = g * keep * target_weight if target_weight is not None else g * keep
+        factor = keep * target_weight if target_weight is not None else keep
+        factor = factor + smooth_per_class * weight_sum
+        if lse_square_scale:
+            factor = factor + 2.0 * lse_square_scale * row_lse
+        grad = exponentials.mul_((g * factor / sums).unsqueeze(1))
+        if label_smoothing:
+            if weight is not None:
                 grad.addr_(g * smooth_per_class, weight, alpha=-1.0)
-            at_target = g * keep * target_weight
+            else:
+                grad.sub_((g * smooth_per_class).unsqueeze(1))
         grad.scatter_add_(1, safe.unsqueeze(1), -at_target.unsqueeze(1))
+        if softcap:
+            grad.mul_(u.div_(softcap).square_().neg_().add_(1.0))
         if not direct:
             grad_logits[rows] = grad
+
+
+def scale(grad_logits, factor) -> None:
+    """grad_logits *= factor, one value (shape (1,)) or one per row (shape (M,)). One value of exactly 1 leaves
+    grad_logits untouched where it can be read without a host synchronisation (a CPU tensor); elsewhere it is
+    multiplied, on the device."""
+    if factor.shape[0] == 1 and factor.device.type == "cpu" and factor.item() == 1.0:
+        return
+    grad_logits.mul_(factor.unsqueeze(1))

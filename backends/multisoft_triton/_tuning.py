@@ -40,14 +40,17 @@ PREFETCH_SM_ELEMENTS = 32768
 
 # -- cross-entropy (cross_entropy.py)
 
-# Longest row (p2) whose forward is a tile; longer rows are streamed once by a program each (docs/tuning.md).
+# Longest row (p2) whose forward is a tile, held in registers from its one read to its gradient; longer rows are
+# streamed by a program each, once, and again for the gradient (docs/tuning.md).
 CE_TILE_MAX = 8192
 # Elements of one forward tile program: shorter rows share a program (docs/tuning.md).
 CE_TILE_ELEMENTS = 8192
-# (columns loaded at once, num_warps) of a streamed row's forward program (docs/tuning.md).
+# (columns loaded at once, num_warps) of a streamed row's forward program without a gradient (docs/tuning.md).
 CE_LOOP_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
-# Columns, and elements, of one backward program (docs/tuning.md).
-CE_BACKWARD_BLOCK = 8192
+# The same for a program that streams its row twice to write the gradient too (docs/tuning.md).
+CE_LOOP_GRAD_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
+# Columns, and elements, of one program of the backward's scaling of the gradient (`scale`) (docs/tuning.md).
+CE_SCALE_BLOCK = 8192
 
 # -- block-sparse softmax (blocksparse.py)
 

@@ -1,17 +1,50 @@
-"""Cross-entropy with class-index targets, weights, ignore_index and label smoothing.
+"""Cross-entropy with class-index targets: weights, ignore_index, label smoothing, a softcap and a z-loss.
 
-forward reads each logit once and keeps O(rows) state (lse, loss): short rows
-share a program as one tile, long rows are streamed once with an online
-logsumexp. backward is elementwise given lse, so it tiles (rows, columns)
-freely and reads and writes each logit once (grad_logits may be the logits).
-A target outside [0, C) that is not ignore_index is never loaded; its loss is NaN.
+`forward` reads each row, writes its loss, logsumexp and weight and, when a gradient buffer is given, writes
+grad_scale[i] * dloss_i / dlogits in the same kernel: the logits are read once and the gradient written once, so
+the backward only scales that buffer (`scale`). Short rows share a program as one tile held in registers; a long
+row is streamed by one program, twice when the gradient is wanted (statistics, then gradient, the second sweep
+from the row's end, whose chunks the first read last and L2 most likely still holds). A row is never split across
+programs: in place (grad_logits is logits) each program reads every element of its rows before writing any.
+A target outside [0, C) that is not ignore_index is never loaded; its loss and gradient row are NaN.
 """
 import triton
 import triton.language as tl
 
-from . import _tuning
+from . import _tuning, simulated
 from ._device import fast_exp, online_max, safe_shift
 from ._launch import LAUNCH, launch, next_power_of_2, on_device, warps_for
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+if simulated():   # the interpreter has no libdevice: tanh in float64, exact for float32 results
+    @triton.jit
+    def _tanh(y):
+        wide = y.to(tl.float64)
+        decay = tl.exp(-2.0 * tl.abs(wide))
+        magnitude = (1.0 - decay) / (1.0 + decay)
+        signed = tl.where(wide < 0.0, -magnitude, magnitude)
+        # below 1e-4 tanh(y) = y to float64 precision, where 1 - decay would cancel
+        return tl.where(tl.abs(wide) < 1e-4, wide, signed).to(tl.float32)
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _tanh(y):
+        return libdevice.tanh(y)
+
+
+@triton.jit
+def _capped(x, softcap, inv_softcap, SOFTCAP: tl.constexpr):
+    """(u, du/dx) of float32 logits x: u = softcap * tanh(x / softcap), or x itself (du/dx 1) without a cap."""
+    if SOFTCAP:
+        t = _tanh(x * inv_softcap)
+        u = softcap * t
+        du = 1.0 - t * t
+    else:
+        u = x
+        du = 1.0
+    return u, du
 
 
 @triton.jit
@@ -28,155 +61,224 @@ def _targets(target_ptr, weight_ptr, rows, row_mask, C, ignore_index, HAS_WEIGHT
 
 
 @triton.jit
-def _row_loss(nll, smooth, ignored, valid, target_weight, keep, smooth_per_class, SMOOTH: tl.constexpr):
-    loss = keep * target_weight * nll
+def _row_loss(shift, log_sum, u_target, smooth, ignored, valid, target_weight, keep, smooth_per_class,
+              lse_square_scale, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr):
+    """keep * w[t] * (lse - u_t) + eps / C * smooth + s * lse**2 with lse = shift + log_sum, lse - u_t as
+    (shift - u_t) + log_sum: exact where lse rounded to float32 would not be; NaN for an invalid target, 0 for an
+    ignored row. smooth is sum_j w_j * (lse - u_j)."""
+    lse = shift + log_sum
+    loss = keep * target_weight * ((shift - u_target) + log_sum)
     if SMOOTH:
         loss += smooth_per_class * smooth
+    if ZLOSS:
+        loss += lse_square_scale * lse * lse
     loss = tl.where(valid, loss, float("nan"))
     return tl.where(ignored, 0.0, loss)
 
 
 @triton.jit
-def _fwd_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, M, C, ignore_index,
-                     keep, smooth_per_class, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    row_mask = rows < M
-    mask = row_mask[:, None] & (cols[None, :] < C)
-    x = tl.load(logits_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
-    row_max = tl.max(x, axis=1)
-    safe_max = safe_shift(row_max)
-    lse = safe_max + tl.log(tl.sum(fast_exp(x - safe_max[:, None]), axis=1))
-    target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, rows, row_mask, C,
-                                                     ignore_index, HAS_WEIGHT)
-    x_target = tl.load(logits_ptr + rows * C + target, mask=row_mask & valid, other=0.0).to(tl.float32)
-    smooth = tl.zeros((ROWS,), tl.float32)
+def _gradient_scales(lse, total, target_weight, valid, grad_scale, weight_sum, keep, smooth_per_class,
+                     lse_square_scale, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr):
+    """Per-row factors of grad = exp(u - m) * p_factor - [j == t] * target_factor - w_j * weight_factor
+    (times du/dx), each already times the row's grad_scale; p_factor includes the 1 / S of p = exp(u - m) / S.
+    An invalid target makes them NaN."""
+    target_factor = tl.where(valid, keep * target_weight * grad_scale, float("nan"))
+    p_scale = target_factor
+    weight_factor = smooth_per_class * grad_scale
     if SMOOTH:
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
-        else:
-            w = 1.0
-        smooth = tl.sum(tl.where(mask, w * (lse[:, None] - x), 0.0), axis=1)
-    loss = _row_loss(lse - x_target, smooth, ignored, valid, target_weight, keep, smooth_per_class, SMOOTH)
-    tl.store(lse_ptr + rows, lse, mask=row_mask)
-    tl.store(loss_ptr + rows, loss, mask=row_mask)
-    tl.store(row_weight_ptr + rows, target_weight, mask=row_mask)
+        p_scale += weight_factor * weight_sum
+    if ZLOSS:
+        p_scale += 2.0 * lse_square_scale * lse * grad_scale
+    return p_scale / total, target_factor, weight_factor
 
 
 @triton.jit
-def _fwd_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, C, ignore_index,
-                     keep, smooth_per_class, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
+def _tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, grad_ptr, grad_scale_ptr,
+                 grad_scale_stride, M, C, ignore_index, keep, smooth_per_class, softcap, inv_softcap,
+                 lse_square_scale, ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                 SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr):
+    """ROWS whole rows of BLOCK (>= C) columns a program, held in registers from the one read to the gradient."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_mask = rows < M
+    col_mask = cols < C
+    mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * C + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
+    target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, rows, row_mask, C,
+                                                     ignore_index, HAS_WEIGHT)
+    x_target = tl.load(logits_ptr + rows * C + target, mask=row_mask & valid, other=0.0).to(tl.float32)
+    u, du = _capped(x, softcap, inv_softcap, SOFTCAP)
+    if SOFTCAP:
+        u = tl.where(mask, u, -float("inf"))
+    u_target, _ = _capped(x_target, softcap, inv_softcap, SOFTCAP)
+    shift = safe_shift(tl.max(u, axis=1))
+    e = fast_exp(u - shift[:, None])
+    total = tl.sum(e, axis=1)
+    log_sum = tl.log(total)
+    lse = shift + log_sum
+    smooth = tl.zeros((ROWS,), tl.float32)
+    weight_sum = C * 1.0
+    w = 1.0
+    if SMOOTH:
+        if HAS_WEIGHT:
+            w_cols = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            weight_sum = tl.sum(w_cols, axis=0)
+            w = w_cols[None, :]
+        smooth = tl.sum(tl.where(mask, w * ((shift[:, None] - u) + log_sum[:, None]), 0.0), axis=1)
+    loss = _row_loss(shift, log_sum, u_target, smooth, ignored, valid, target_weight, keep, smooth_per_class,
+                     lse_square_scale, SMOOTH, ZLOSS)
+    tl.store(lse_ptr + rows, lse, mask=row_mask)
+    tl.store(loss_ptr + rows, loss, mask=row_mask)
+    tl.store(row_weight_ptr + rows, target_weight, mask=row_mask)
+    if WRITE_GRAD:
+        grad_scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=row_mask, other=0.0)
+        p_factor, target_factor, weight_factor = _gradient_scales(
+            lse, total, target_weight, valid, grad_scale, weight_sum, keep, smooth_per_class, lse_square_scale,
+            SMOOTH, ZLOSS)
+        grad = e * p_factor[:, None] - tl.where(cols[None, :] == target[:, None], target_factor[:, None], 0.0)
+        if SMOOTH:
+            grad -= weight_factor[:, None] * w
+        grad = tl.where(ignored[:, None], 0.0, grad * du)
+        # in place, the target logits above were read by other threads than those that write them: all reads first
+        tl.debug_barrier()
+        tl.store(grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, grad_ptr, grad_scale_ptr,
+                 grad_scale_stride, C, ignore_index, keep, smooth_per_class, softcap, inv_softcap, lse_square_scale,
+                 BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr):
+    """One row a program, streamed in chunks of BLOCK with an online logsumexp; with WRITE_GRAD streamed again,
+    last chunk first, to write the gradient."""
     row = tl.program_id(0).to(tl.int64)
     row_start = row * C
     cols = tl.arange(0, BLOCK)
     run_max = tl.full((), -float("inf"), tl.float32)
     run_sum = tl.zeros((), tl.float32)
-    # label smoothing: shifted_sum = sum(w * (x - ref)) over the columns seen, ref follows the max
+    # label smoothing: shifted_sum = sum(w * (u - ref)) over the columns seen, ref follows the max
     ref = tl.zeros((), tl.float32)
     shifted_sum = tl.zeros((), tl.float32)
     weight_seen = tl.zeros((), tl.float32)
     for start in tl.range(0, C, BLOCK):
         mask = start + cols < C
         x = tl.load(logits_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(x, axis=0))
-        run_sum += tl.sum(fast_exp(x - shift), axis=0)
+        u, _ = _capped(x, softcap, inv_softcap, SOFTCAP)
+        if SOFTCAP:
+            u = tl.where(mask, u, -float("inf"))
+        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(u, axis=0))
+        run_sum += tl.sum(fast_exp(u - shift), axis=0)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
             else:
                 w = tl.where(mask, 1.0, 0.0)
             shifted_sum += (ref - shift) * weight_seen
-            shifted_sum += tl.sum(tl.where(mask, w * (x - shift), 0.0), axis=0)
+            shifted_sum += tl.sum(tl.where(mask, w * (u - shift), 0.0), axis=0)
             weight_seen += tl.sum(w, axis=0)
             ref = shift
-    lse = run_max + tl.log(run_sum)
-    smooth = weight_seen * (lse - ref) - shifted_sum
+    row_max = tl.where(run_max == -float("inf"), 0.0, run_max)   # the shift run_sum is relative to
+    log_sum = tl.log(run_sum)
+    lse = row_max + log_sum
+    smooth = weight_seen * ((row_max - ref) + log_sum) - shifted_sum
     target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, row, row >= 0, C,
                                                      ignore_index, HAS_WEIGHT)
     x_target = tl.load(logits_ptr + row_start + target, mask=valid, other=0.0).to(tl.float32)
-    loss = _row_loss(lse - x_target, smooth, ignored, valid, target_weight, keep, smooth_per_class, SMOOTH)
+    u_target, _ = _capped(x_target, softcap, inv_softcap, SOFTCAP)
+    loss = _row_loss(row_max, log_sum, u_target, smooth, ignored, valid, target_weight, keep, smooth_per_class,
+                     lse_square_scale, SMOOTH, ZLOSS)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, loss)
     tl.store(row_weight_ptr + row, target_weight)
+    if WRITE_GRAD:
+        weight_sum = C * 1.0
+        if HAS_WEIGHT:
+            weight_sum = weight_seen
+        grad_scale = tl.load(grad_scale_ptr + row * grad_scale_stride)
+        p_factor, target_factor, weight_factor = _gradient_scales(
+            lse, run_sum, target_weight, valid, grad_scale, weight_sum, keep, smooth_per_class, lse_square_scale,
+            SMOOTH, ZLOSS)
+        # in place, the target logit above was read by one thread and may be written by another: all reads first
+        tl.debug_barrier()
+        chunks = tl.cdiv(C, BLOCK)
+        read = tl.where(ignored, 0, C)   # an ignored row's gradient is 0: written without reading the row
+        for chunk in tl.range(0, chunks):
+            start = (chunks - 1 - chunk) * BLOCK
+            offsets = start + cols
+            mask = offsets < C
+            x = tl.load(logits_ptr + row_start + offsets, mask=offsets < read, other=0.0).to(tl.float32)
+            u, du = _capped(x, softcap, inv_softcap, SOFTCAP)
+            grad = fast_exp(u - row_max) * p_factor - tl.where(offsets == target, target_factor, 0.0)
+            if SMOOTH:
+                if HAS_WEIGHT:
+                    grad -= weight_factor * tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    grad -= weight_factor
+            grad = tl.where(ignored, 0.0, grad * du)
+            tl.store(grad_ptr + row_start + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bwd_kernel(logits_ptr, target_ptr, weight_ptr, weight_sum_ptr, lse_ptr, grad_loss_ptr, grad_stride, grad_ptr,
-                M, C, ignore_index, keep, smooth_per_class, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
+def _scale_kernel(grad_ptr, factor_ptr, M, C, ROWS: tl.constexpr, BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
+    """grad[rows, cols] *= factor[row] (PER_ROW) or factor[0]; one factor of exactly 1 leaves grad untouched."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row_mask = rows < M
-    col_mask = cols < C
-    mask = row_mask[:, None] & col_mask[None, :]
+    mask = row_mask[:, None] & (cols[None, :] < C)
     offsets = rows[:, None] * C + cols[None, :]
-    target, ignored, valid, target_weight = _targets(target_ptr, weight_ptr, rows, row_mask, C,
-                                                     ignore_index, HAS_WEIGHT)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    grad_loss = tl.load(grad_loss_ptr + rows * grad_stride, mask=row_mask, other=0.0)
-    # grad = p * p_scale - (c == t) * target_scale - w[c] * weight_scale, with per-row scales
-    target_scale = tl.where(valid, keep * target_weight * grad_loss, float("nan"))
-    p_scale = target_scale
-    if SMOOTH:
-        if HAS_WEIGHT:
-            total_weight = tl.load(weight_sum_ptr)
-        else:
-            total_weight = C * 1.0
-        weight_scale = smooth_per_class * grad_loss
-        p_scale += weight_scale * total_weight
-    x = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    p = fast_exp(x - lse[:, None])
-    is_target = cols[None, :] == target[:, None]
-    grad = p * p_scale[:, None] - tl.where(is_target, target_scale[:, None], 0.0)
-    if SMOOTH:
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            grad -= weight_scale[:, None] * w[None, :]
-        else:
-            grad -= weight_scale[:, None]
-    grad = tl.where(ignored[:, None], 0.0, grad)
-    tl.store(grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+    if PER_ROW:
+        factor = tl.load(factor_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_ptr + offsets, (grad * factor).to(grad_ptr.dtype.element_ty), mask=mask)
+    else:
+        factor = tl.load(factor_ptr).to(tl.float32)
+        if factor != 1.0:
+            grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(grad_ptr + offsets, (grad * factor).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-def _coefficients(label_smoothing, C):
-    smoothing = float(label_smoothing)
-    return 1.0 - smoothing, smoothing / C, smoothing > 0.0
-
-
-def forward(logits, target, weight, loss, lse, row_weight, ignore_index, label_smoothing):
-    """Per-row loss, logsumexp and weight in a mean of the (M, C) logits."""
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index, label_smoothing,
+            softcap, lse_square_scale):
+    """Per-row loss, logsumexp and weight of the (M, C) logits and, when grad_logits is given (it may be the logits
+    themselves), grad_scale[i] * dloss_i / dlogits into it."""
     M, C = logits.shape
     if M == 0:
         return
-    keep, smooth_per_class, smooth = _coefficients(label_smoothing, C)
-    has_weight = weight is not None
-    weight_arg = weight if has_weight else lse
+    smoothing = float(label_smoothing)
+    keep, smooth_per_class = 1.0 - smoothing, smoothing / C
+    # a cap past float32's range (inf as a float32) is no cap: softcap * tanh(x / softcap) rounds to x for |x| < 1e35
+    capped = 0.0 < float(softcap) <= _FLOAT32_MAX
+    softcap = float(softcap) if capped else 1.0
+    write_grad = grad_logits is not None
+    flags = dict(HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0.0, SOFTCAP=capped,
+                 ZLOSS=float(lse_square_scale) > 0.0, WRITE_GRAD=write_grad)
+    args = (logits, target, weight if weight is not None else lse, loss, lse, row_weight,
+            grad_logits if write_grad else lse, grad_scale if write_grad else lse,
+            grad_scale.stride(0) if write_grad else 0)
+    options = (int(ignore_index), keep, smooth_per_class, softcap, 1.0 / softcap, float(lse_square_scale))
     block = next_power_of_2(C)
     with on_device(logits):
         if block <= _tuning.CE_TILE_MAX:
             rows = max(1, min(_tuning.CE_TILE_ELEMENTS // block, next_power_of_2(M)))
-            launch(_fwd_tile_kernel, (triton.cdiv(M, rows),), logits, target, weight_arg, loss, lse, row_weight, M, C,
-                   int(ignore_index), keep, smooth_per_class, ROWS=rows, BLOCK=block, HAS_WEIGHT=has_weight,
-                   SMOOTH=smooth, num_warps=warps_for(rows * block), **LAUNCH)
+            launch(_tile_kernel, (triton.cdiv(M, rows),), *args, M, C, *options, ROWS=rows, BLOCK=block,
+                   num_warps=warps_for(rows * block), **flags, **LAUNCH)
         else:
-            loop_block, warps = _tuning.CE_LOOP_CONFIGS[logits.element_size()]
-            launch(_fwd_loop_kernel, (M,), logits, target, weight_arg, loss, lse, row_weight, C, int(ignore_index),
-                   keep, smooth_per_class, BLOCK=loop_block, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps,
-                   **LAUNCH)
+            configs = _tuning.CE_LOOP_GRAD_CONFIGS if write_grad else _tuning.CE_LOOP_CONFIGS
+            loop_block, warps = configs[logits.element_size()]
+            launch(_loop_kernel, (M,), *args, C, *options, BLOCK=loop_block, num_warps=warps, **flags, **LAUNCH)
 
 
-def backward(logits, target, weight, weight_sum, lse, grad_loss, grad_logits, ignore_index, label_smoothing):
-    """grad_logits (possibly the logits themselves) from lse and the per-row (or broadcast) grad_loss."""
-    M, C = logits.shape
-    if M == 0:
+def scale(grad_logits, factor):
+    """grad_logits (M, C) *= factor: factor (1,) is read on the device (exactly 1: nothing is touched), (M,) is a
+    factor a row."""
+    M, C = grad_logits.shape
+    if M == 0 or C == 0:
         return
-    keep, smooth_per_class, smooth = _coefficients(label_smoothing, C)
-    has_weight = weight is not None
-    block = min(next_power_of_2(C), _tuning.CE_BACKWARD_BLOCK)
-    rows = max(1, min(_tuning.CE_BACKWARD_BLOCK // block, next_power_of_2(M)))
+    block = min(next_power_of_2(C), _tuning.CE_SCALE_BLOCK)
+    rows = max(1, min(_tuning.CE_SCALE_BLOCK // block, next_power_of_2(M)))
     grid = (triton.cdiv(M, rows), triton.cdiv(C, block))
-    with on_device(logits):
-        launch(_bwd_kernel, grid, logits, target, weight if has_weight else lse, weight_sum if has_weight else lse, lse,
-               grad_loss, grad_loss.stride(0), grad_logits, M, C, int(ignore_index), keep, smooth_per_class, ROWS=rows,
-               BLOCK=block, HAS_WEIGHT=has_weight, SMOOTH=smooth, num_warps=warps_for(rows * block), **LAUNCH)
+    per_row = factor.numel() != 1
+    with on_device(grad_logits):
+        launch(_scale_kernel, grid, grad_logits, factor, M, C, ROWS=rows, BLOCK=block, PER_ROW=per_row,
+               num_warps=warps_for(rows * block), **LAUNCH)

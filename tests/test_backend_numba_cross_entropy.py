@@ -1,0 +1,297 @@
+"""The numba backend's cross-entropy kernels called directly: forward (loss, lse, row weight and the scaled gradient
+in one kernel, on its cached and looping paths, forced through _tuning) and scale, against the float64 formulas of
+the backend contract (backends/README.md), written out here: label smoothing, class weights, softcap, z-loss,
+ignored and invalid targets, in place, grad_scale per row and broadcast, no gradient; float32 and bfloat16."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import multisoft_numba
+from harness import DEVICE, ON_GPU, assert_close
+
+HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not (ON_GPU or multisoft_numba.simulated()),
+                                reason="needs numba-cuda and a CUDA device or the simulator (NUMBA_ENABLE_CUDASIM=1)")
+
+DTYPES = [torch.float32, torch.bfloat16]
+PATHS = ["cached", "looping"]
+# (classes, unaligned data, options): rows read in vectors, one element at a time (odd row length; data one element
+# past an aligned address), and every option at once.
+CASES = {
+    "plain": (40, True, dict(label_smoothing=0.0, softcap=0.0, lse_square_scale=0.0, weighted=False)),
+    "weight_smoothing": (37, False, dict(label_smoothing=0.1, softcap=0.0, lse_square_scale=0.0, weighted=True)),
+    "everything": (40, False, dict(label_smoothing=0.2, softcap=3.0, lse_square_scale=1e-2, weighted=True)),
+}
+
+
+def contract_reference(logits, target, weight, grad_scale, ignore_index, label_smoothing, softcap, lse_square_scale):
+    """(loss, lse, row_weight, grad_logits) in float64, term by term as the contract states them. row_weight is
+    NaN where the contract leaves it open (invalid targets)."""
+    x = logits.detach().double()
+    rows, classes = x.shape
+    eps, s = label_smoothing, lse_square_scale
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    m = u.max(dim=1, keepdim=True).values
+    total = torch.exp(u - m).sum(dim=1, keepdim=True)
+    lse = (m + torch.log(total)).squeeze(1)
+    p = torch.exp(u - m) / total
+    ignored = target == ignore_index
+    valid = ~ignored & (target >= 0) & (target < classes)
+    t = torch.where(valid, target, 0).long()
+    w_t = torch.where(valid, w[t], 0.0)
+    u_t = u.gather(1, t[:, None]).squeeze(1)
+    loss = (1 - eps) * w_t * (lse - u_t) + eps / classes * (w * (lse[:, None] - u)).sum(dim=1) + s * lse ** 2
+    loss = torch.where(ignored, 0.0, torch.where(valid, loss, float("nan")))
+    row_weight = torch.where(ignored, 0.0, torch.where(valid, w_t, float("nan")))
+    one_hot = torch.nn.functional.one_hot(t, classes).double()
+    coef = (1 - eps) * w_t + eps / classes * w.sum() + 2 * s * lse
+    dloss_du = p * coef[:, None] - (1 - eps) * w_t[:, None] * one_hot - eps / classes * w
+    du_dx = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
+    grad = grad_scale.double()[:, None] * dloss_du * du_dx
+    grad = torch.where(ignored[:, None], 0.0, torch.where(valid[:, None], grad, float("nan")))
+    # The gradient is a difference of terms: float arithmetic promises a relative error of the terms' size.
+    terms = (p * coef[:, None].abs() + (1 - eps) * w_t[:, None] * one_hot + eps / classes * w)
+    magnitude = grad_scale.double().abs()[:, None] * terms * du_dx.abs()
+    return loss, lse, row_weight, grad, magnitude
+
+
+def _inputs(classes, unaligned, weighted, dtype, rows=5):
+    logits = (torch.randn(rows, classes, device=DEVICE) * 3).to(dtype)
+    if unaligned:   # the same values one element past an aligned address
+        logits = torch.empty(rows * classes + 1, dtype=dtype, device=DEVICE)[1:].view(rows, classes).copy_(logits)
+    target = torch.tensor([3, -100, classes - 1, 0, 7][:rows], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    return logits, target, weight
+
+
+def _outputs(rows):
+    return tuple(torch.full((rows,), 7.0, device=DEVICE) for _ in range(3))
+
+
+def _force_path(monkeypatch, path):
+    """Cached: rows held in registers (the default for these rows); looping: rows read and re-read in several
+    steps of a few elements."""
+    from multisoft_numba import _tuning
+    if path == "looping":
+        monkeypatch.setattr(_tuning, "CE_CACHED_THREADS", 0)
+        monkeypatch.setattr(_tuning, "CE_UNROLL", 4)
+
+
+def _run(logits, target, weight, grad_logits, grad_scale, options, ignore_index=-100):
+    from multisoft_numba import cross_entropy
+    loss, lse, row_weight = _outputs(logits.shape[0])
+    cross_entropy.forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index,
+                          options["label_smoothing"], options["softcap"], options["lse_square_scale"])
+    return loss, lse, row_weight
+
+
+def _assert_agrees(got, expected, dtype, what):
+    loss, lse, row_weight, grad = got
+    loss64, lse64, row_weight64, grad64, magnitude = expected
+    assert_close(loss, loss64, torch.float32, f"{what}: loss")
+    assert_close(lse, lse64, torch.float32, f"{what}: lse")
+    known = ~torch.isnan(row_weight64)
+    assert_close(row_weight[known], row_weight64[known], torch.float32, f"{what}: row_weight")
+    if grad is not None:
+        assert_close(grad, grad64, dtype, f"{what}: grad_logits", magnitude)
+
+
+def test_contract_formula_is_torchs_cross_entropy():
+    """The formulas above are torch's cross_entropy (and its autograd) on the capped logits plus the z-loss."""
+    logits = torch.randn(5, 11, dtype=torch.float64) * 3
+    target = torch.tensor([3, -100, 10, 0, 7])
+    weight = torch.rand(11, dtype=torch.float64) + 0.5
+    grad_scale = torch.rand(5, dtype=torch.float64)
+    x = logits.clone().requires_grad_()
+    u = 3.0 * torch.tanh(x / 3.0)
+    lse = torch.logsumexp(u, dim=1)
+    loss = torch.nn.functional.cross_entropy(u, target, weight, reduction="none", label_smoothing=0.2)
+    loss = loss + 1e-2 * lse ** 2 * (target != -100)
+    (grad,) = torch.autograd.grad(loss, x, grad_scale)
+    loss64, lse64, row_weight64, grad64, _ = contract_reference(logits, target, weight, grad_scale, -100, 0.2, 3.0,
+                                                                1e-2)
+    torch.testing.assert_close(loss64, loss.detach())
+    torch.testing.assert_close(lse64, lse.detach())
+    torch.testing.assert_close(grad64, grad)
+    torch.testing.assert_close(row_weight64, torch.where(target == -100, 0.0, weight[target.clamp(0)]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_and_gradient_agree_with_the_contract(dtype, path, case, monkeypatch):
+    """Loss, lse, row weight and the gradient, with a grad_scale per row and one broadcast to every row."""
+    from multisoft_numba._launch import vector_views
+    _force_path(monkeypatch, path)
+    classes, unaligned, options = CASES[case]
+    options = dict(options)
+    logits, target, weight = _inputs(classes, unaligned, options.pop("weighted"), dtype)
+    width = vector_views((logits,))[1]
+    assert (width == 1) == (unaligned or classes % 2 == 1), width
+    rows = logits.shape[0]
+    before = logits.clone()
+    for grad_scale in (torch.rand(rows, device=DEVICE) + 0.5, torch.full((1,), 0.25, device=DEVICE).expand(rows)):
+        grad = torch.full_like(logits, 7.0)
+        got = _run(logits, target, weight, grad, grad_scale, options)
+        expected = contract_reference(logits, target, weight, grad_scale, -100, **options)
+        _assert_agrees((*got, grad), expected, dtype, f"{case} {path} grad_scale stride {grad_scale.stride(0)}")
+        assert torch.equal(logits, before), "the logits changed"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_a_gradient_the_forward_only_reads(dtype):
+    classes, _, options = CASES["everything"]
+    options = {k: v for k, v in options.items() if k != "weighted"}
+    logits, target, weight = _inputs(classes, False, True, dtype)
+    before = logits.clone()
+    got = _run(logits, target, weight, None, None, options)
+    expected = contract_reference(logits, target, weight, torch.ones(logits.shape[0], device=DEVICE), -100,
+                                  **options)
+    _assert_agrees((*got, None), expected, dtype, "no gradient")
+    assert torch.equal(_bits_view(logits), _bits_view(before)), "the logits changed"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_in_place_gradient_equals_the_gradient_into_a_new_buffer(dtype, path, monkeypatch):
+    """grad_logits is logits: every element of a row is read before any of it is written, so the result is the
+    out-of-place gradient, bit for bit (int32 targets here)."""
+    _force_path(monkeypatch, path)
+    classes, _, options = CASES["everything"]
+    options = {k: v for k, v in options.items() if k != "weighted"}
+    logits, target, weight = _inputs(classes, False, True, dtype)
+    target = target.int()
+    grad_scale = torch.rand(logits.shape[0], device=DEVICE) + 0.5
+    expected = contract_reference(logits, target, weight, grad_scale, -100, **options)
+    out_of_place = torch.empty_like(logits)
+    stats = _run(logits, target, weight, out_of_place, grad_scale, options)
+    in_place = logits.clone()
+    in_place_stats = _run(in_place, target, weight, in_place, grad_scale, options)
+    assert torch.equal(in_place, out_of_place)
+    for a, b in zip(stats, in_place_stats):
+        assert torch.equal(a, b)
+    _assert_agrees((*in_place_stats, in_place), expected, dtype, f"in place {path}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_invalid_targets_give_nan_and_stay_in_bounds(dtype, path, monkeypatch):
+    """Targets past either end: loss NaN, gradient row NaN, nothing read or written outside the rows (sentinel rows
+    around logits and gradient); the row ignored by an ignore_index that is a class: loss 0, row weight 0, gradient
+    0; every row's lse written."""
+    _force_path(monkeypatch, path)
+    rows, classes = 7, 37
+    buffer = torch.full((rows + 2, classes), 7.0, device=DEVICE).to(dtype)
+    logits = buffer[1:-1]
+    logits.copy_(torch.randn(rows, classes, device=DEVICE))
+    grad_buffer = torch.full_like(buffer, 7.0)
+    grad = grad_buffer[1:-1]
+    target = torch.tensor([3, classes, -1, 5, 2**40, -(2**40), 2], device=DEVICE)   # ignore_index 2
+    options = dict(label_smoothing=0.1, softcap=0.0, lse_square_scale=1e-2)
+    loss, lse, row_weight = _run(logits, target, None, grad, torch.ones(rows, device=DEVICE), options,
+                                 ignore_index=2)
+    assert torch.isfinite(loss[[0, 3]]).all() and loss[6] == 0
+    assert torch.isnan(loss[[1, 2, 4, 5]]).all()
+    assert torch.isnan(grad[[1, 2, 4, 5]]).all() and (grad[6] == 0).all()
+    assert torch.isfinite(grad[[0, 3]]).all() and row_weight[6] == 0
+    assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
+    assert (buffer[0] == 7).all() and (buffer[-1] == 7).all()
+    assert (grad_buffer[0] == 7).all() and (grad_buffer[-1] == 7).all()
+
+
+def _gradient_like(dtype, rows=5, classes=40):
+    """Gradient values with the specials a scale must carry: NaN, infinities, signed zeros, a subnormal, and a
+    signalling NaN (any arithmetic on it, or a 16-bit round trip, quiets it: it shows whether an element was
+    touched)."""
+    grad = torch.randn(rows, classes, device=DEVICE)
+    grad[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40])
+    grad = grad.to(dtype)
+    signalling_nan = 0x7F81 if dtype == torch.bfloat16 else 0x7F800001
+    _bits_view(grad)[0, 6] = signalling_nan
+    return grad
+
+
+def _bits_view(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _bits(t):
+    return _bits_view(t).clone()
+
+
+def _force_several_blocks(monkeypatch):
+    """Several blocks along a row, fewer blocks than rows (they walk the rows)."""
+    from multisoft_numba import _tuning
+    monkeypatch.setattr(_tuning, "CE_SCALE_UNROLL", 4)
+    monkeypatch.setattr(_tuning, "CE_SCALE_BLOCKS_PER_SM", 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_by_one_leaves_the_buffer_bit_identical(dtype, monkeypatch):
+    from multisoft_numba import cross_entropy
+    _force_several_blocks(monkeypatch)
+    grad = _gradient_like(dtype)
+    before = _bits(grad)
+    cross_entropy.scale(grad, torch.ones(1, device=DEVICE))
+    assert torch.equal(_bits(grad), before)
+    cross_entropy.scale(grad, torch.ones(grad.shape[0], device=DEVICE))
+    assert torch.equal(_bits(grad), before)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the simulator's 0 * inf
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_by_one_factor_and_by_a_factor_a_row(dtype, monkeypatch):
+    """One factor for every row, a factor a row (one of them 1, one 0, and inf on the row that holds zeros: 0 * inf
+    gives NaN), a stride-0 broadcast of one factor to every row, and NaN; against float64."""
+    from multisoft_numba import cross_entropy
+    _force_several_blocks(monkeypatch)
+    rows = 5
+    factors = {
+        "one": torch.full((1,), -2.5, device=DEVICE),
+        "per row": torch.tensor([float("inf"), 1.0, 0.0, 3.0, -0.125], device=DEVICE),
+        "broadcast": torch.full((1,), 0.75, device=DEVICE).expand(rows),
+        "nan": torch.full((1,), float("nan"), device=DEVICE),
+    }
+    for what, factor in factors.items():
+        grad = _gradient_like(dtype, rows)
+        expected = grad.double() * (factor.double()[:, None] if factor.numel() == rows else factor.double())
+        cross_entropy.scale(grad, factor)
+        assert_close(grad, expected, dtype, f"scale by {what}")
+    assert torch.isnan(grad).all()
+
+
+@pytest.mark.skipif(not ON_GPU or multisoft_numba.simulated(), reason="needs a CUDA device")
+@pytest.mark.parametrize("classes", [32000, 131072, 50257])   # cached; looping in vectors; looping one at a time
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocabulary_sized_rows_on_the_gpu(dtype, classes):
+    """Rows of a language model's vocabulary with every option: the gradient into a new buffer and in place (bit
+    for bit the same), no gradient, then scale by one (untouched) and by a factor a row."""
+    from multisoft_numba import cross_entropy
+    _, _, options = CASES["everything"]
+    options = {k: v for k, v in options.items() if k != "weighted"}
+    rows = 16
+    logits = (torch.randn(rows, classes, device=DEVICE) * 4).to(dtype)
+    target = torch.randint(0, classes, (rows,), device=DEVICE)
+    target[1] = -100
+    weight = torch.rand(classes, device=DEVICE) + 0.5
+    grad_scale = torch.rand(rows, device=DEVICE) + 0.5
+    expected = contract_reference(logits, target, weight, grad_scale, -100, **options)
+    grad = torch.empty_like(logits)
+    stats = _run(logits, target, weight, grad, grad_scale, options)
+    _assert_agrees((*stats, grad), expected, dtype, f"{classes} classes")
+    _assert_agrees((*_run(logits, target, weight, None, None, options), None), expected, dtype, "no gradient")
+    in_place = logits.clone()
+    _run(in_place, target, weight, in_place, grad_scale, options)
+    assert torch.equal(in_place, grad)
+    before = _bits(grad)
+    cross_entropy.scale(grad, torch.ones(1, device=DEVICE))
+    assert torch.equal(_bits(grad), before)
+    factor = torch.rand(rows, device=DEVICE) * 4 - 2
+    cross_entropy.scale(grad, factor)
+    factor64 = factor.double()[:, None]
+    assert_close(grad, expected[3] * factor64, dtype, "scaled by a factor a row", expected[4] * factor64.abs())
