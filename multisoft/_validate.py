@@ -30,7 +30,7 @@ def float_dtype(dtype, name: str = "dtype") -> torch.dtype | None:
 
 
 def dim(value, ndim: int, name: str = "dim") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     rank = max(ndim, 1)
     if not -rank <= value < rank:
@@ -39,13 +39,13 @@ def dim(value, ndim: int, name: str = "dim") -> int:
 
 
 def integer(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return int(value)
 
 
 def real(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from multisoft import bench
-from multisoft.bench import command, impls, plan, records, report, run, timing
+from multisoft.bench import command, headline, plan, records, report, run, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,8 @@ def test_bad_arguments_give_status_2(capsys):
     assert bench.main(["--ops", "softmax,nope"]) == 2
     assert "unknown op 'nope'" in capsys.readouterr().err
     assert bench.main(["--dtypes", "int8"]) == 2
+    assert bench.main(["--headline", "--quick"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_arguments():
@@ -69,7 +71,10 @@ def test_arguments():
     args = command.parse_args(["--backends", "triton,torch", "--timer", "do_bench"])
     assert args.timer == "do_bench"
     assert args.ops == list(plan.OPS) and args.dtypes == ["fp32", "bf16"] and args.backends == ["triton", "torch"]
-    assert (args.warmup, args.rep) == (5.0, 25.0)
+    assert (args.warmup, args.rep, args.eager_rep) == (5.0, 25.0, timing.EAGER_REP_MS)
+    assert not args.headline and not args.quick
+    args = command.parse_args(["--headline", "--eager-rep", "4"])
+    assert args.headline and args.eager_rep == 4.0
     # nothing assumes a checkout of this repository: the results go to the current directory, no reasons file
     assert args.out == "multisoft-bench" and args.shortfalls is None
 
@@ -160,46 +165,79 @@ def test_blocksparse_cases_count_elements():
     assert "causal" in cases[1].label and "causal" not in cases[0].label
 
 
+def test_headline_plan_times_the_headline_cells_only():
+    """--headline: softmax fp32 32768x1024 and bf16 16384x4096, cross_entropy bf16 and fp32 8192x32000, each shape
+    once with its own dtypes; forward and forward+backward."""
+    cases = plan.plan_cases(list(plan.OPS), quick=False, headline=True)
+    assert {op: [(c.label, c.shape, c.dtypes, c.group) for c in op_cases] for op, op_cases in cases.items()} == {
+        "softmax": [("32768x1024", (32768, 1024), ("fp32",), "headline"),
+                    ("16384x4096", (16384, 4096), ("bf16",), "headline")],
+        "cross_entropy": [("8192x32000", (8192, 32000), ("bf16", "fp32"), "headline")]}
+    assert plan.HEADLINE_DIRECTIONS == ("forward", "forward+backward")
+    assert plan.plan_cases(["log_softmax", "blocksparse_softmax"], quick=False, headline=True) == {}
+    softmax_fp32, softmax_bf16 = cases["softmax"]
+    assert run.case_dtypes(softmax_fp32, ["fp32", "bf16", "fp16"]) == ["fp32"]
+    assert run.case_dtypes(softmax_bf16, ["fp32"]) == []
+    assert run.case_dtypes(cases["cross_entropy"][0], ["bf16", "fp32"]) == ["bf16", "fp32"]
+    # a case of the ordinary plans is timed in every dtype asked for
+    ordinary = plan.plan_cases(["softmax"], quick=True)["softmax"][0]
+    assert ordinary.dtypes == () and run.case_dtypes(ordinary, ["bf16", "fp16"]) == ["bf16", "fp16"]
+
+
 def test_quick_plan_is_small():
     cases = plan.plan_cases(list(plan.OPS), quick=True)
     assert set(cases) == set(plan.OPS)
     assert sum(len(op_cases) for op_cases in cases.values()) <= 16
 
 
-def _timing(op, impl, dtype, shape, direction, fraction, role="backend", group="headline", n=0, note=""):
+def _timing(op, impl, dtype, shape, direction, fraction, role="backend", group="headline", n=0, note="",
+            eager=None):
+    """A Timing whose kernel time reaches ``fraction`` of a 4000 GB/s copy, and its eager time ``eager``."""
     copy = 4000.0
     gbps = None if fraction is None else fraction * copy
     elements = 1 << 26
     nbytes = plan.bytes_moved(op, direction, elements, plan.ELEMENT_SIZE[dtype])
     ms = None if gbps is None else nbytes / (gbps * 1e6)
-    return records.Timing(op, impl, role, dtype, group, shape, n, direction, ms, nbytes, gbps, fraction, note)
+    eager_ms = None if eager is None else nbytes / (eager * copy * 1e6)
+    return records.Timing(op, impl, role, dtype, group, shape, n, direction, ms, nbytes, gbps, fraction, note,
+                          eager_ms, eager)
 
 
 def _fake_results():
     timings = [records.Timing("copy", "torch", "copy", "-", "copy", "1024 MiB", 0, "copy", 0.5, 2 << 30, 4000.0, 1.0)]
     for direction in plan.DIRECTIONS:
         timings += [
-            _timing("softmax", "triton", "bf16", "16384x4096", direction, 0.91),
+            _timing("softmax", "triton", "bf16", "16384x4096", direction, 0.91, eager=0.55),
             _timing("softmax", "cupy", "bf16", "16384x4096", direction, None, note="error: RuntimeError: boom"),
             _timing("softmax", "numba", "bf16", "16384x4096", direction, None, note="unavailable: no bf16"),
-            _timing("softmax", "torch-native", "bf16", "16384x4096", direction, 0.75, role="peer"),
+            _timing("softmax", "torch-native", "bf16", "16384x4096", direction, 0.75, role="peer", eager=0.74),
         ]
         for n, fraction in ((1024, 0.5), (4096, 0.8), (65536, 0.9)):
             timings += [
-                _timing("softmax", "triton", "bf16", f"{(1 << 26) // n}x{n}", direction, fraction, group="sweep", n=n),
+                _timing("softmax", "triton", "bf16", f"{(1 << 26) // n}x{n}", direction, fraction, group="sweep", n=n,
+                        eager=fraction / 3),
                 _timing("softmax", "torch-native", "bf16", f"{(1 << 26) // n}x{n}", direction, fraction / 2,
-                        role="peer", group="sweep", n=n),
+                        role="peer", group="sweep", n=n, eager=fraction / 4),
             ]
-        timings.append(_timing("cross_entropy", "triton", "fp32", "8192x32000", direction, 0.88))
+        timings.append(_timing("cross_entropy", "triton", "fp32", "8192x32000", direction, 0.88, eager=0.61))
         liger_note = "Liger computes the gradient in its forward" if direction == "backward" else ""
         timings.append(_timing("cross_entropy", "liger", "fp32", "8192x32000", direction,
-                               None if liger_note else 0.7, role="peer", note=liger_note))
+                               None if liger_note else 0.7, role="peer", note=liger_note,
+                               eager=None if liger_note else 0.52))
     results = records.Results({"gpu": "Fake GPU", "timing": "fake"}, 4000.0, timings)
     results.memory = [records.MemoryRecord("triton", "fp32", "8192x32000", 1000.0, 1000.0),
                       records.MemoryRecord("triton inplace", "fp32", "8192x32000", 0.5, 1000.0),
                       records.MemoryRecord("numba", "fp32", "8192x32000", None, 1000.0, "error: ImportError: x")]
     results.first_calls = [records.FirstCall("triton", "softmax", "forward", "bf16", "16384x4096", 812.5, 0.07)]
-    results.overhead = [records.Overhead("triton", 21.0, 6.5), records.Overhead("cupy", None, None, "error: x")]
+    results.host_times = [
+        records.HostTime("triton", "backend", "softmax", "fp32", "8x128", "forward", 21.0, 6.5),
+        records.HostTime("triton", "backend", "softmax", "fp32", "8x128", "forward+backward", 80.4),
+        records.HostTime("cupy", "backend", "softmax", "fp32", "8x128", "forward", None, note="error: x"),
+        records.HostTime("torch-native", "peer", "softmax", "fp32", "8x128", "forward", 9.5),
+        records.HostTime("triton", "backend", "cross_entropy", "fp32", "8x128", "forward+backward", 95.0),
+        records.HostTime("triton inplace", "backend", "cross_entropy", "fp32", "8x128", "forward+backward", 99.5),
+        records.HostTime("liger", "peer", "cross_entropy", "fp32", "8x128", "forward+backward", 120.0),
+    ]
     return results
 
 
@@ -207,34 +245,48 @@ def test_reports(tmp_path):
     results = _fake_results()
     paths = report.write_reports(results, tmp_path / "out")
     names = sorted(p.name for p in paths)
-    assert names == ["environment.json", "first_calls.csv", "memory.csv", "overhead.csv", "results.md", "timings.csv"]
+    assert names == ["environment.json", "first_calls.csv", "host_time.csv", "memory.csv", "results.md",
+                     "timings.csv"]
 
     with open(tmp_path / "out" / "timings.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == len(results.timings)
+    # the columns of before keep their place; the eager ones follow
+    assert list(rows[0])[:13] == ["op", "impl", "role", "dtype", "group", "shape", "n", "direction", "ms", "bytes",
+                                  "gb_per_s", "fraction_of_copy", "note"]
+    assert list(rows[0])[13:] == ["eager_ms", "eager_fraction"]
     first = rows[1]
     assert (first["op"], first["impl"], first["direction"], first["shape"]) == \
         ("softmax", "triton", "forward", "16384x4096")
     assert float(first["fraction_of_copy"]) == pytest.approx(0.91)
     assert float(first["gb_per_s"]) == pytest.approx(3640.0)
+    assert float(first["eager_fraction"]) == pytest.approx(0.55)
+    assert float(first["eager_ms"]) == pytest.approx(int(first["bytes"]) / (0.55 * 4000.0 * 1e6), rel=1e-5)
     assert rows[2]["ms"] == "" and rows[2]["note"] == "error: RuntimeError: boom"
-    with open(tmp_path / "out" / "overhead.csv", newline="") as handle:
-        overhead = list(csv.DictReader(handle))
-    assert float(overhead[0]["difference_us"]) == pytest.approx(14.5)
-    assert overhead[1]["difference_us"] == ""
+    assert rows[2]["eager_ms"] == "" and rows[2]["eager_fraction"] == ""
+    with open(tmp_path / "out" / "host_time.csv", newline="") as handle:
+        host = list(csv.DictReader(handle))
+    assert [(r["impl"], r["op"], r["direction"]) for r in host[:2]] == [
+        ("triton", "softmax", "forward"), ("triton", "softmax", "forward+backward")]
+    assert float(host[0]["us"]) == 21.0 and float(host[0]["kernel_us"]) == 6.5
+    assert float(host[0]["front_us"]) == pytest.approx(14.5)
+    assert host[1]["kernel_us"] == "" and host[1]["front_us"] == ""
+    assert host[2]["us"] == "" and host[2]["note"] == "error: x"
 
     text = (tmp_path / "out" / "results.md").read_text()
     assert "**4000 GB/s**" in text
+    assert "**kernel / eager**" in text
     assert "## softmax" in text and "## cross_entropy" in text
     assert "| shape | dtype | triton | cupy | numba | torch-native |" in text
-    assert "| 16384x4096 | bf16 | **0.91** | error | — | 0.75 |" in text
+    assert "| 16384x4096 | bf16 | **0.91** / 0.55 | error | — | 0.75 / 0.74 |" in text
     assert "- cupy: error: RuntimeError: boom (bf16 16384x4096 forward and 2 more)" in text
     assert "- numba: unavailable: no bf16 (bf16 16384x4096 forward and 2 more)" in text
     assert text.index("- cupy: error") < text.index("- numba: unavailable")
-    assert "| 8192x32000 | fp32 | **0.88** | 0.70 |" in text
-    assert "| 8192x32000 | fp32 | 0.88 | — |" in text
+    assert "| 8192x32000 | fp32 | **0.88** / 0.61 | 0.70 / 0.52 |" in text
+    assert "| 8192x32000 | fp32 | 0.88 / 0.61 | — |" in text
     assert "| 8192x32000 | fp32 | triton inplace | 0 | 0.00 |" in text
-    assert "| triton | 21.0 | 6.5 | 14.5 |" in text
+    assert "## headline: what a user gets on Fake GPU" in text and "## host time a call" in text
+    assert text.index("## headline") < text.index("## softmax") < text.index("## host time a call")
     assert "| triton | softmax | forward | bf16 | 16384x4096 | 812.5 | 0.070 |" in text
     sweep = text[text.index("<details><summary>sweep"):]
     sweep = sweep[:sweep.index("</details>")]
@@ -287,9 +339,143 @@ def test_reports_read_back(tmp_path):
         for name in ("ms", "gb_per_s", "fraction_of_copy"):
             value = getattr(written, name)
             assert getattr(read, name) == (None if value is None else pytest.approx(value, rel=1e-5))
+    for read, written in zip(again.timings, results.timings):
+        for name in ("eager_ms", "eager_fraction"):
+            value = getattr(written, name)
+            assert getattr(read, name) == (None if value is None else pytest.approx(value, rel=1e-5))
+    assert any(t.eager_ms is not None for t in again.timings)
     assert again.memory[2].peak_mib is None and again.memory[1].peak_mib == 0.5
-    assert again.first_calls == results.first_calls and again.overhead == results.overhead
+    assert again.first_calls == results.first_calls and again.host_times == results.host_times
     assert report.markdown_report(again) == report.markdown_report(results)
+
+
+def test_report_only_rebuilds_the_eager_columns_headline_and_host_time(tmp_path):
+    """--report-only makes the same results.md as the run: kernel / eager cells, the headline summary and the
+    host time a call, all read back from the CSV files."""
+    out = tmp_path / "out"
+    results = _fake_results()
+    report.write_reports(results, out)
+    (out / "results.md").unlink()
+    assert bench.main(["--report-only", "--no-plots", "--out", str(out)]) == 0
+    text = (out / "results.md").read_text()
+    assert text == report.markdown_report(results)
+    assert "| 16384x4096 | bf16 | **0.91** / 0.55 | error | — | 0.75 / 0.74 |" in text
+    assert "| triton | 0.91 / 0.55 | 0.88 / 0.61 | 80 | 95 |" in text
+    assert "| triton | 21.0 | 80.4 | 95.0 | 6.5 | 14.5 |" in text
+
+
+def test_a_run_without_eager_times_or_host_times_reports_as_before(tmp_path):
+    """CSV files of a run that took no eager times (no such columns) and no host times: kernel-only cells, in the
+    headline summary too, and no host time section."""
+    out = tmp_path / "out"
+    results = _fake_results()
+    for t in results.timings:
+        t.eager_ms = t.eager_fraction = None
+    results.host_times = []
+    report.write_reports(results, out)
+    with open(out / "timings.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    with open(out / "timings.csv", "w", newline="") as handle:   # as a run before the eager columns wrote it
+        writer = csv.DictWriter(handle, [name for name in rows[0] if not name.startswith("eager")],
+                                extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    text = report.markdown_report(records.read_results(out))
+    assert "| 16384x4096 | bf16 | **0.91** | error | — | 0.75 |" in text
+    assert "kernel / eager**. Kernel" not in text.split("## headline")[0]
+    assert "| triton | 0.91 | 0.88 |" in text and "(no eager times)" in text
+    assert "## host time a call" not in text and "host µs" not in text
+
+
+def test_headline_section_from_synthetic_records():
+    """The headline summary: forward+backward of the headline cells that were timed, kernel / eager of each
+    implementation, then its host µs a forward+backward call of each op; other cells and directions left out."""
+    direction = "forward+backward"
+    cells = [("softmax", "fp32", "32768x1024"), ("softmax", "bf16", "16384x4096"),
+             ("cross_entropy", "fp32", "8192x32000")]
+    fed = {  # (impl, role): {cell: (kernel, eager)}; None: an error
+        ("triton", "backend"): {cells[0]: (0.93, 0.61), cells[1]: (0.91, 0.55), cells[2]: (0.88, 0.605)},
+        ("cupy", "backend"): {cells[1]: None},
+        ("triton inplace", "backend"): {cells[2]: (1.2, 0.9)},
+        ("torch-native", "peer"): {cells[0]: (0.8, 0.79), cells[1]: (0.75, 0.744)},
+        ("liger", "peer"): {cells[2]: (0.7, 0.52)},
+    }
+    host_fed = {("triton", "softmax"): 80.4, ("triton", "cross_entropy"): 95.0, ("torch-native", "softmax"): 30.2,
+                ("liger", "cross_entropy"): 120.0, ("cupy", "softmax"): None}
+    timings = [records.Timing("copy", "torch", "copy", "-", "copy", "1024 MiB", 0, "copy", 0.5, 2 << 30, 4000.0, 1.0)]
+    for (impl, role), values in fed.items():
+        for (op, dtype, shape), value in values.items():
+            if value is None:
+                timings.append(_timing(op, impl, dtype, shape, direction, None, role=role, note="error: boom"))
+            else:
+                timings.append(_timing(op, impl, dtype, shape, direction, value[0], role=role, eager=value[1]))
+    timings += [_timing("softmax", "triton", "fp32", "32768x1024", "forward", 0.99, eager=0.98),
+                _timing("softmax", "triton", "fp32", "1024x131072", direction, 0.5, eager=0.4),
+                _timing("cross_entropy", "triton", "fp32", "8192x128256", direction, 0.97, eager=0.96)]
+    results = records.Results({"gpu": "Fake GPU"}, 4000.0, timings)
+    roles = dict(fed.keys())
+    results.host_times = [records.HostTime("triton", "backend", "softmax", "fp32", "8x128", "forward", 21.0, 6.5)]
+    for (impl, op), us in host_fed.items():
+        results.host_times.append(records.HostTime(impl, roles[impl], op, "fp32", "8x128", direction, us,
+                                                   note="" if us is not None else "error: x"))
+    lines = headline.headline_section(results)
+    assert lines[0] == "## headline: what a user gets on Fake GPU"
+    assert "forward+backward, as a fraction of the copy bandwidth (4000 GB/s)" in lines[2]
+    assert "(input 8x128 fp32)" in lines[2]
+    start = lines.index(next(line for line in lines if line.startswith("| impl |")))
+    expected = ["| impl | " + " | ".join(" ".join(cell) for cell in cells) + " | host µs softmax | host µs "
+                "cross_entropy |", "|---|" + "---:|" * 5]
+    for impl, role in fed:  # backends, then peers, each in the order fed
+        row = []
+        for cell in cells:
+            if cell not in fed[(impl, role)]:
+                row.append("—")
+            elif fed[(impl, role)][cell] is None:
+                row.append("error")
+            else:
+                row.append("{:.2f} / {:.2f}".format(*fed[(impl, role)][cell]))
+        for op in ("softmax", "cross_entropy"):
+            us = host_fed.get((impl, op), "absent")
+            row.append("—" if us == "absent" else "error" if us is None else f"{us:.0f}")
+        expected.append(f"| {impl} | " + " | ".join(row) + " |")
+    assert lines[start:start + len(expected)] == expected
+    assert lines[start + len(expected):] == [""]
+    # no headline cell timed: no section
+    assert headline.headline_section(records.Results({}, 4000.0, timings[-2:])) == []
+
+
+def test_host_time_section_from_synthetic_records():
+    fed = [("triton", "backend", "softmax", "forward", 21.0, 6.5), ("triton", "backend", "softmax",
+                                                                    "forward+backward", 80.4, None),
+           ("triton", "backend", "cross_entropy", "forward+backward", 95.0, None),
+           ("torch-native", "peer", "softmax", "forward", 9.5, None),
+           ("cupy", "backend", "softmax", "forward", None, None),
+           ("triton inplace", "backend", "cross_entropy", "forward+backward", 99.5, None)]
+    host_times = [records.HostTime(impl, role, op, "fp32", "8x128", direction, us, kernel,
+                                   note="" if us is not None else "error: RuntimeError: no")
+                  for impl, role, op, direction, us, kernel in fed]
+    lines = headline.host_time_section(host_times)
+    assert lines[0] == "## host time a call"
+    assert "(input 8x128 fp32)" in lines[2]
+    columns = [("softmax", "forward"), ("softmax", "forward+backward"), ("cross_entropy", "forward+backward")]
+    expected = ["| impl | " + " | ".join(f"{op} {direction}" for op, direction in columns)
+                + " | softmax forward, kernel alone | front |", "|---|" + "---:|" * 5]
+    for impl in ("triton", "cupy", "triton inplace", "torch-native"):
+        values = {(op, direction): (us, kernel) for name, _, op, direction, us, kernel in fed if name == impl}
+        row = []
+        for column in columns:
+            us = values.get(column, ("absent",))[0]
+            row.append("—" if us == "absent" else "error" if us is None else f"{us:.1f}")
+        kernel = values.get(("softmax", "forward"), (None, None))
+        if kernel[1] is None:
+            row += ["—", "—"]
+        else:
+            row += [f"{kernel[1]:.1f}", f"{kernel[0] - kernel[1]:.1f}"]
+        expected.append(f"| {impl} | " + " | ".join(row) + " |")
+    start = lines.index(expected[0])
+    assert lines[start:start + len(expected)] == expected
+    assert lines[start + len(expected):] == ["", "- cupy softmax forward: error: RuntimeError: no", ""]
+    assert headline.host_time_section([]) == []
 
 
 def _write_shortfalls(path, rows):
@@ -422,110 +608,3 @@ def test_plots(tmp_path):
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 10_000
-
-
-def _wall_ms(fn):
-    import time
-
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
-
-
-def _failing_backend(monkeypatch):
-    """A backend whose softmax raises when called and which has no cross-entropy module at all."""
-    import types
-
-    package = types.ModuleType("multisoft_failing")
-    package.NAME, package.PRIORITY = "failing", 1
-    package.version = lambda: "0"
-    package.unavailable_reason = lambda device, dtype: None
-    softmax = types.ModuleType("multisoft_failing.softmax")
-
-    def forward(x, out, log):
-        raise RuntimeError("kernel exploded")
-    softmax.forward = softmax.backward = forward
-    monkeypatch.setitem(sys.modules, "multisoft_failing", package)
-    monkeypatch.setitem(sys.modules, "multisoft_failing.softmax", softmax)
-
-
-def test_dry_run_on_cpu(tmp_path, monkeypatch):
-    """The whole run on the CPU with tiny shapes and a wall-clock timer: the pipeline, not the numbers."""
-    import types
-
-    import torch
-
-    from multisoft import _registry
-
-    for name, value in {"COPY_BYTES": 1 << 20, "QUICK_HEADLINE": [(8, 64)],
-                        "QUICK_SWEEP_COLS": [32, 64, 128], "SWEEP_ELEMENTS": 512,
-                        "QUICK_CROSS_ENTROPY": [(8, 100)], "QUICK_LAYOUTS": [(16, 0.5, False), (16, 0.5, True)],
-                        "HEADS": 2, "SEQ": 64}.items():
-        monkeypatch.setattr(plan, name, value)
-    monkeypatch.setattr(run, "DEVICE", "cpu")
-    monkeypatch.setattr(timing, "make_timer", lambda warmup, rep, kind: (_wall_ms, "wall clock (test)"))
-    monkeypatch.setattr(impls, "liger_peer", lambda: (None, "hidden by the test"))  # its kernels need a GPU
-    properties = types.SimpleNamespace(name="CPU", major=0, minor=0, total_memory=1 << 30)
-    for name, value in {"is_available": lambda: True, "synchronize": lambda: None, "empty_cache": lambda: None,
-                        "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 0,
-                        "max_memory_allocated": lambda: 0, "current_device": lambda: 0,
-                        "get_device_properties": lambda index: properties}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.syspath_prepend(str(ROOT / "backends"))
-    monkeypatch.setattr(_registry, "_default_order", None)
-    _failing_backend(monkeypatch)
-    monkeypatch.setitem(_registry._backends, "failing", _registry.Backend("failing", "multisoft_failing"))
-    monkeypatch.setitem(_registry._backends, "broken", _registry.Backend("broken", "multisoft_no_such_package"))
-
-    out = tmp_path / "res"
-    assert bench.main(["--quick", "--backends", "torch,failing,broken", "--out", str(out)]) == 0
-
-    with open(out / "timings.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    ops = {r["op"] for r in rows}
-    assert ops == {"copy", "softmax", "log_softmax", "cross_entropy", "blocksparse_softmax"}
-    torch_rows = [r for r in rows if r["impl"] == "torch"]
-    assert torch_rows and all(float(r["ms"]) > 0 and float(r["fraction_of_copy"]) > 0 for r in torch_rows)
-    # 3 shapes per dense op (headline, 2 sweep), 2 dtypes, 3 directions
-    assert len([r for r in torch_rows if r["op"] == "softmax"]) == 3 * 2 * 3
-    # the long copy, then a copy of each dense headline shape's bytes (softmax's and cross-entropy's), 2 dtypes
-    copies = [(r["shape"], r["dtype"], int(r["bytes"])) for r in rows
-              if r["op"] == "copy" and r["group"] == "headline"]
-    assert copies == [("8x64", "fp32", 2 * 8 * 64 * 4), ("8x64", "bf16", 2 * 8 * 64 * 2),
-                      ("8x100", "fp32", 2 * 8 * 100 * 4), ("8x100", "bf16", 2 * 8 * 100 * 2)]
-    assert {r["impl"] for r in rows if r["role"] == "peer"} == {"torch-native"}
-    failing = [r for r in rows if r["impl"] == "failing"]
-    assert all(r["ms"] == "" for r in failing)
-    assert any("kernel exploded" in r["note"] for r in failing if r["op"] == "softmax")
-    assert all(r["note"].startswith("error: ModuleNotFoundError") for r in failing if r["op"] == "cross_entropy")
-    assert all(r["impl"] != "broken" or r["note"].startswith("error:") for r in rows)
-    inplace = [r for r in rows if r["impl"] == "torch inplace"]
-    assert [r["direction"] for r in inplace] == ["forward+backward"] * 2 and all(r["ms"] for r in inplace)
-    for row in inplace:  # timed in its case, beside the ordinary call: only that case's rows between the two
-        at = rows.index(row)
-        plain = rows.index(next(r for r in rows if (r["impl"], r["op"], r["shape"], r["dtype"], r["direction"]) == (
-            "torch", "cross_entropy", row["shape"], row["dtype"], "forward+backward")))
-        assert plain < at and all((r["op"], r["shape"], r["dtype"]) == ("cross_entropy", row["shape"], row["dtype"])
-                                  for r in rows[plain:at])
-
-    with open(out / "memory.csv", newline="") as handle:
-        memory = {(r["impl"], r["dtype"]): r for r in csv.DictReader(handle)}
-    assert memory[("torch", "fp32")]["peak_mib"] == "0"
-    assert memory[("torch inplace", "bf16")]["peak_mib"] == "0"
-    assert memory[("failing", "fp32")]["note"].startswith("error:")
-    with open(out / "first_calls.csv", newline="") as handle:
-        first = {(r["impl"], r["op"], r["direction"]) for r in csv.DictReader(handle)}
-    assert ("torch", "softmax", "forward") in first and ("torch", "blocksparse_softmax", "backward") in first
-    with open(out / "overhead.csv", newline="") as handle:
-        overhead = {r["impl"]: r for r in csv.DictReader(handle)}
-    assert float(overhead["torch"]["api_us"]) > 0 and float(overhead["torch"]["direct_us"]) > 0
-    assert "kernel exploded" in overhead["failing"]["note"]
-    text = (out / "results.md").read_text()
-    for op in ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax"):
-        assert f"## {op}" in text
-    assert "kernel exploded" in text
-    assert "## copy of each headline shape's bytes" in text and "| 8x100 | bf16 |" in text
-    assert "- commit: " in text

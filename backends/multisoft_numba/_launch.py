@@ -133,6 +133,7 @@ def _current_streams(index: int) -> tuple:
 # some threads (autograd's backward worker): there numba's device context manager binds
 # it for the launch.
 _compiled: dict[tuple, object] = {}
+_configs: dict[tuple, object] = {}   # cuda.core LaunchConfig by (grid, block, shared memory)
 _context_handles: dict[int, int] = {}
 
 
@@ -151,10 +152,9 @@ def _signature(args) -> tuple:
 def _pack(args) -> list:
     params = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            t = _kernel_view(a)
-            size = t.element_size()
-            params += [0, 0, t.numel(), size, t.data_ptr(), *t.shape, *(stride * size for stride in t.stride())]
+        if isinstance(a, torch.Tensor):   # bfloat16 as int16 bits: the same sizes, so no view is needed
+            size = a.element_size()
+            params += [0, 0, a.numel(), size, a.data_ptr(), *a.shape, *(stride * size for stride in a.stride())]
         elif isinstance(a, (bool, numpy.bool_)):
             params.append(bool(a))
         elif isinstance(a, numpy.float32):
@@ -196,7 +196,11 @@ def launch(kernel_, grid, threads: int, args, shared: int = 0) -> None:
     key = (id(kernel_), index, _signature(args)) if fast else None
     compiled = _compiled.get(key) if fast else None
     if compiled is not None:
-        config = LaunchConfig(grid=grid, block=threads, shmem_size=shared)
+        config = _configs.get((grid, threads, shared))
+        if config is None:
+            if len(_configs) >= 4096:   # shapes that keep changing: keep the cache bounded
+                _configs.clear()
+            config = _configs[(grid, threads, shared)] = LaunchConfig(grid=grid, block=threads, shmem_size=shared)
         params = _pack(args)
         if _context_is_current(index):
             cuda_core_launch(core_stream, config, compiled, *params)

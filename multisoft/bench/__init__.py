@@ -4,14 +4,19 @@ Times forward, backward and forward+backward of softmax, log_softmax,
 cross_entropy and blocksparse_softmax on each backend that can run here (those
 selectable only by name, such as a float64 reference, are not timed), next to
 torch's own ops and Liger-Kernel's (when importable), with CUDA events (median,
-L2 cleared between repetitions). Each result is given in GB/s and as a fraction
-of a device-to-device copy measured in the same run. Also: peak memory of
-cross-entropy forward+backward, the first (compiling) call of each backend, and
-the host overhead of the front. Writes CSV files, ``results.md`` and PNG plots.
+L2 cleared between repetitions) twice: the kernel time (the GPU's work, host
+time hidden) and the eager wall time (triton.testing.do_bench, host time
+included: what an eager PyTorch user gets). Each result is given in GB/s and as
+a fraction of a device-to-device copy measured in the same run. Also: peak
+memory of cross-entropy forward+backward, the first (compiling) call of each
+backend, and the host time a call of each implementation on a tiny tensor.
+Writes CSV files, ``results.md`` and PNG plots.
 
 Modules: ``plan`` (ops, shapes, layouts, bytes), ``timing`` (the timers),
-``impls`` (what is compared), ``run`` (one run), ``records`` (the CSV and JSON
-files), ``report`` (results.md, the targets), ``plots``, ``command`` (the
+``impls`` (what is compared), ``run`` (one run), ``host_time`` (the host time a
+call), ``progress``, ``records`` (the CSV and JSON files), ``report``
+(results.md, the targets), ``headline`` (its headline summary and host time
+tables), ``cells`` (how a record reads in a table), ``plots``, ``command`` (the
 command line).
 """
 

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from . import plan
+from . import plan, timing
 from .records import ENVIRONMENT_FILE, Results, describe_error, load_shortfalls, read_results
 from .report import write_markdown, write_reports
 
@@ -27,15 +27,23 @@ def parse_args(argv: list[str], prog: str = "python -m multisoft bench") -> argp
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated of fp32, bf16, fp16 "
                                                               "(default: %(default)s)")
     parser.add_argument("--fp16", action="store_true", help="also time float16")
-    parser.add_argument("--quick", action="store_true", help="a few shapes only: a fast smoke run")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a few shapes only: a fast smoke run")
+    size.add_argument("--headline", action="store_true",
+                      help="the headline cells only (softmax fp32 32768x1024 and bf16 16384x4096, cross_entropy "
+                           "bf16 and fp32 8192x32000; forward and forward+backward), and the host time a call")
     parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     parser.add_argument("--no-peers", action="store_true", help="do not time torch's or Liger-Kernel's ops")
     parser.add_argument("--timer", choices=("do_bench", "queued"), default="queued",
-                        help="do_bench: triton.testing.do_bench; queued: CUDA events with the GPU held busy while "
-                             "the host queues the calls, so host overhead is not timed (default: %(default)s)")
+                        help="how the kernel time is taken: queued: CUDA events with the GPU held busy while the host "
+                             "queues the calls, so host time is not timed; do_bench: triton.testing.do_bench, host "
+                             "time included, which is then the eager time too (default: %(default)s)")
     parser.add_argument("--warmup", type=float, default=5.0, help="do_bench warm-up in ms (default %(default)g)")
     parser.add_argument("--rep", type=float, default=25.0, help="do_bench repetition time in ms "
                                                                 "(default %(default)g)")
+    parser.add_argument("--eager-rep", type=float, default=timing.EAGER_REP_MS,
+                        help="repetition time in ms of the eager wall time (triton.testing.do_bench, host time "
+                             "included) taken of each cell after its kernel time (default %(default)g)")
     parser.add_argument("--shortfalls", help="CSV of why cells fall short of their target (columns impl, op, "
                                              "direction, dtype, shape, why), for results.md (default: none)")
     parser.add_argument("--report-only", action="store_true",

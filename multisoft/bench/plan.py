@@ -31,6 +31,12 @@ HEADS, SEQ, SCALE = 16, 4096, 0.125
 LAYOUTS = ([(block, 0.25, causal) for block in (16, 32, 64, 128) for causal in (False, True)]
            + [(64, density, causal) for density in (0.10, 0.50) for causal in (False, True)])
 
+# The cells of the headline summary (op, dtype, shape) and what --headline times of them.
+HEADLINE_CELLS = [("softmax", "fp32", (32768, 1024)), ("softmax", "bf16", (16384, 4096)),
+                  ("cross_entropy", "bf16", (8192, 32000)), ("cross_entropy", "fp32", (8192, 32000))]
+HEADLINE_DIRECTIONS = ("forward", "forward+backward")
+SUMMARY_DIRECTION = "forward+backward"  # the direction the headline summary shows
+
 QUICK_HEADLINE = [(16384, 4096), (1024, 131072)]
 QUICK_SWEEP_COLS = [1024, 32768, 1 << 20]
 QUICK_CROSS_ENTROPY = [(8192, 32000)]
@@ -52,6 +58,7 @@ class Case:
     layout: object = None  # block-sparse: the (H, Mb, Nb) layout tensor
     block: int = 0
     causal: bool = False
+    dtypes: tuple = ()  # only these dtypes (of those asked for); empty: every one asked for
 
 
 def bytes_moved(op: str, direction: str, elements: int, element_size: int) -> int:
@@ -111,14 +118,31 @@ def blocksparse_cases(layouts: list) -> list[Case]:
     return cases
 
 
-def plan_cases(ops: list[str], quick: bool) -> dict[str, list[Case]]:
-    """The cases of each op: every shape and layout above, or with ``quick`` the QUICK_ ones."""
-    headline = QUICK_HEADLINE if quick else HEADLINE
+def headline_cases(ops: list[str]) -> dict[str, list[Case]]:
+    """The cases of HEADLINE_CELLS of each of ``ops`` (that has any), each for its own dtypes."""
+    plan = {}
+    for op in ops:
+        shapes = {}
+        for cell_op, dtype, shape in HEADLINE_CELLS:
+            if cell_op == op:
+                shapes[shape] = shapes.get(shape, ()) + (dtype,)
+        if shapes:
+            plan[op] = [dataclasses.replace(case, dtypes=shapes[case.shape])
+                        for case in dense_cases(op, list(shapes), [])]
+    return plan
+
+
+def plan_cases(ops: list[str], quick: bool, headline: bool = False) -> dict[str, list[Case]]:
+    """The cases of each op: every shape and layout above, with ``quick`` the QUICK_ ones, with ``headline``
+    HEADLINE_CELLS only."""
+    if headline:
+        return headline_cases(ops)
+    headline_shapes = QUICK_HEADLINE if quick else HEADLINE
     sweep = sweep_shapes(QUICK_SWEEP_COLS if quick else SWEEP_COLS)
     plan = {}
     for op in ops:
         if op in ("softmax", "log_softmax"):
-            plan[op] = dense_cases(op, headline, sweep)
+            plan[op] = dense_cases(op, headline_shapes, sweep)
         elif op == "cross_entropy":
             shapes = QUICK_CROSS_ENTROPY if quick else CROSS_ENTROPY
             plan[op] = dense_cases(op, shapes, [])

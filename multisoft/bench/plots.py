@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .plan import DIRECTIONS
-from .report import impl_order as _impls
+from .cells import impl_order as _impls
 
 
 def _pyplot():

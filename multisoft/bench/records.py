@@ -1,5 +1,5 @@
-"""What a run records (timings, peak memory, first calls, host overhead, its environment), the reasons given for
-cells below their target, and the CSV and JSON files they are written to and read back from."""
+"""What a run records (timings, peak memory, first calls, host time a call, its environment), the reasons given
+for cells below their target, and the CSV and JSON files they are written to and read back from."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import get_type_hints
 
 ENVIRONMENT_FILE = "environment.json"
+HOST_TIME_FILE = "host_time.csv"
 COPY_AT_END = "copy bandwidth at the end"  # an environment entry: the long copy measured again after the run
 
 
@@ -24,11 +25,13 @@ class Timing:
     shape: str
     n: int  # row length, for the sweep plots (0 for block-sparse)
     direction: str
-    ms: float | None = None
+    ms: float | None = None  # kernel time: the GPU's work, host time hidden (with --timer queued)
     bytes: int = 0
     gb_per_s: float | None = None
     fraction_of_copy: float | None = None
     note: str = ""
+    eager_ms: float | None = None  # eager wall time: do_bench, host time included
+    eager_fraction: float | None = None  # of the copy bandwidth, at eager_ms
 
 
 @dataclasses.dataclass
@@ -53,17 +56,26 @@ class FirstCall:
 
 
 @dataclasses.dataclass
-class Overhead:
+class HostTime:
+    """Wall-clock microseconds a call of one op and direction on a tiny tensor, where the host, not the GPU, sets
+    the pace; ``kernel_us``: a backend's softmax forward kernel called directly, without multisoft's front."""
+
     impl: str
-    api_us: float | None
-    direct_us: float | None
+    role: str  # "backend" or "peer"
+    op: str
+    dtype: str
+    shape: str
+    direction: str
+    us: float | None
+    kernel_us: float | None = None
     note: str = ""
 
     @property
-    def difference_us(self) -> float | None:
-        if self.api_us is None or self.direct_us is None:
+    def front_us(self) -> float | None:
+        """What multisoft's front (checks, allocation, dispatch) adds to the kernel's own call."""
+        if self.us is None or self.kernel_us is None:
             return None
-        return self.api_us - self.direct_us
+        return self.us - self.kernel_us
 
 
 @dataclasses.dataclass
@@ -73,7 +85,7 @@ class Results:
     timings: list[Timing] = dataclasses.field(default_factory=list)
     memory: list[MemoryRecord] = dataclasses.field(default_factory=list)
     first_calls: list[FirstCall] = dataclasses.field(default_factory=list)
-    overhead: list[Overhead] = dataclasses.field(default_factory=list)
+    host_times: list[HostTime] = dataclasses.field(default_factory=list)
 
 
 def describe_error(error: BaseException) -> str:
@@ -152,7 +164,7 @@ def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
 
 def write_records(results: Results, out: Path) -> list[Path]:
     """timings.csv, environment.json and, where there are such records, memory.csv, first_calls.csv and
-    overhead.csv in ``out``; the paths written."""
+    host_time.csv in ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [write_csv(out / "timings.csv", results.timings)]
     environment_path = out / ENVIRONMENT_FILE
@@ -163,9 +175,8 @@ def write_records(results: Results, out: Path) -> list[Path]:
         paths.append(write_csv(out / "memory.csv", results.memory))
     if results.first_calls:
         paths.append(write_csv(out / "first_calls.csv", results.first_calls))
-    if results.overhead:
-        paths.append(write_csv(out / "overhead.csv", results.overhead,
-                               {"difference_us": lambda row: row.difference_us}))
+    if results.host_times:
+        paths.append(write_csv(out / HOST_TIME_FILE, results.host_times, {"front_us": lambda row: row.front_us}))
     return paths
 
 
@@ -193,7 +204,8 @@ def read_results(out: Path) -> Results:
                          f"saves it")
     saved = json.loads(environment_path.read_text())
     results = Results(saved["environment"], saved["copy_gb_per_s"], _read_csv(out / "timings.csv", Timing))
-    for name, record in (("memory", MemoryRecord), ("first_calls", FirstCall), ("overhead", Overhead)):
-        if (out / f"{name}.csv").exists():
-            setattr(results, name, _read_csv(out / f"{name}.csv", record))
+    for name, file, record in (("memory", "memory.csv", MemoryRecord), ("first_calls", "first_calls.csv", FirstCall),
+                               ("host_times", HOST_TIME_FILE, HostTime)):
+        if (out / file).exists():
+            setattr(results, name, _read_csv(out / file, record))
     return results

@@ -1,6 +1,6 @@
-"""results.md: the environment, the cells below each backend's speed target with why, one table per op and
-direction (fractions of the copy bandwidth), then peak memory, first calls, copies of each shape's bytes and the
-host overhead."""
+"""results.md: the environment, the headline summary, the cells below each backend's speed target with why, one
+table per op and direction (fractions of the copy bandwidth, kernel / eager), then peak memory, first calls, copies
+of each shape's bytes and the host time a call."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import collections
 from pathlib import Path
 
 from . import plan
+from .cells import as_shown, fraction_cell, impl_order, number
+from .headline import headline_section, host_time_section
 from .records import COPY_AT_END, Results, Shortfall, Timing, first_shortfall, write_records
 
 # The backends' speed targets, as a fraction of the copy bandwidth: this many for these backends (None: no target;
@@ -31,35 +33,14 @@ def write_reports(results: Results, out: Path, shortfalls: list[Shortfall] | Non
     return write_records(results, out) + [write_markdown(results, out, shortfalls)]
 
 
-def as_shown(fraction: float) -> float:
-    """A fraction of copy as the tables show it: two decimals."""
-    return float(f"{fraction:.2f}")
-
-
-def impl_order(timings: list[Timing]) -> list[str]:
-    """Backends first, then peers, each in the order they were run."""
-    backends = [t.impl for t in timings if t.role == "backend"]
-    peers = [t.impl for t in timings if t.role == "peer"]
-    return list(dict.fromkeys(backends + peers))
-
-
-def _fraction_cell(record: Timing | None, best: float | None) -> str:
-    if record is None or (record.ms is None and not record.note.startswith("error")):
-        return "—"
-    if record.ms is None:
-        return "error"
-    if record.fraction_of_copy is None:
-        return f"{record.gb_per_s:.0f} GB/s"
-    text = f"{record.fraction_of_copy:.2f}"
-    return f"**{text}**" if best is not None and record.fraction_of_copy == best else text
-
-
 def fraction_table(timings: list[Timing], direction: str) -> list[str]:
-    """Markdown rows: one per (shape, dtype), one column per impl, cells the fraction of copy."""
+    """Markdown rows: one per (shape, dtype), one column per impl, cells the fraction of copy (kernel / eager
+    where any cell has an eager time)."""
     rows = [t for t in timings if t.direction == direction]
     if not rows:
         return []
     impls = impl_order(rows)
+    eager = any(t.eager_ms is not None for t in rows)
     keys = list(dict.fromkeys((t.shape, t.dtype) for t in rows))
     by_key = {(t.shape, t.dtype, t.impl): t for t in rows}
     lines = ["| shape | dtype | " + " | ".join(impls) + " |", "|---|---|" + "---:|" * len(impls)]
@@ -67,7 +48,7 @@ def fraction_table(timings: list[Timing], direction: str) -> list[str]:
         cells = [by_key.get((shape, dtype, impl)) for impl in impls]
         fractions = [c.fraction_of_copy for c in cells if c is not None and c.fraction_of_copy is not None]
         best = max(fractions) if len(fractions) > 1 else None
-        lines.append(f"| {shape} | {dtype} | " + " | ".join(_fraction_cell(c, best) for c in cells) + " |")
+        lines.append(f"| {shape} | {dtype} | " + " | ".join(fraction_cell(c, best, eager) for c in cells) + " |")
     return lines
 
 
@@ -164,14 +145,10 @@ def _targets_section(timings: list[Timing], shortfalls: list[Shortfall] | None =
                   "| op | direction | shape | dtype | fraction of copy | note |", "|---|---|---|---|---:|---|"]
         for t in below:
             note = _shortfall_note(t, target, copies.get((t.shape, t.dtype, t.bytes)), shortfalls)
-            lines.append(f"| {t.op} | {t.direction} | {t.shape} | {t.dtype} | {_number(t.fraction_of_copy, 2)} | "
+            lines.append(f"| {t.op} | {t.direction} | {t.shape} | {t.dtype} | {number(t.fraction_of_copy, 2)} | "
                          f"{note} |")
         lines += ["", "</details>", ""]
     return lines
-
-
-def _number(value, digits: int = 1) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
 
 
 def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None) -> str:
@@ -183,8 +160,14 @@ def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None)
     lines += [f"- copy bandwidth (`dst.copy_(src)`, {plan.COPY_BYTES >> 20} MiB, read + write): **{copy:.0f} GB/s**"
               + (f" ({at_end} at the end of the run)" if at_end else "") if copy else "- copy bandwidth: not measured",
               ""]
-    lines += ["Each cell is the achieved bandwidth as a fraction of that copy bandwidth (best of a row in "
-              "bold). Bytes counted: softmax, log_softmax and block-sparse (over Z·nnz·block² elements): "
+    eager = any(t.eager_ms is not None for t in results.timings)
+    lines += ["Each cell is the achieved bandwidth as a fraction of that copy bandwidth"
+              + (": **kernel / eager**. Kernel: timed as `timing` says, by default the GPU's work alone, host "
+                 "time hidden (best of a row in bold). Eager: the same call timed as eager PyTorch runs it, host "
+                 "time included (`eager timing`); where the host issues a call more slowly than the GPU runs it, "
+                 "eager is lower."
+                 if eager else " (best of a row in bold).")
+              + " Bytes counted: softmax, log_softmax and block-sparse (over Z·nnz·block² elements): "
               "forward 2, backward 3, forward+backward 5 × elements × element size; cross-entropy: 1, 2, 3 × "
               "M·V × element size. A fused implementation can pass 1.0 on forward+backward. "
               "Milliseconds and GB/s are in `timings.csv`; `—` = not timed (listed under each table).", ""]
@@ -192,12 +175,12 @@ def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None)
         lines += ["These times include host overhead wherever the host launches a call more slowly than the GPU "
                   "runs it (small tensors, forward+backward through autograd); `--timer queued` times the GPU "
                   "work only.", ""]
-    lines += _targets_section(results.timings, shortfalls)
+    lines += headline_section(results) + _targets_section(results.timings, shortfalls)
     ops = list(dict.fromkeys(t.op for t in results.timings if t.role != "copy"))
     for op in ops:
         lines += _op_section(op, [t for t in results.timings if t.op == op])
     lines += _memory_section(results) + _first_calls_section(results) + _copies_section(results)
-    lines += _overhead_section(results)
+    lines += host_time_section(results.host_times)
     return "\n".join(lines)
 
 
@@ -210,7 +193,7 @@ def _memory_section(results: Results) -> list[str]:
              "| shape | dtype | impl | peak (MiB) | × logits | note |", "|---|---|---|---:|---:|---|"]
     for m in results.memory:
         ratio = None if m.peak_mib is None else m.peak_mib / m.logits_mib
-        lines.append(f"| {m.shape} | {m.dtype} | {m.impl} | {_number(m.peak_mib, 0)} | {_number(ratio, 2)} "
+        lines.append(f"| {m.shape} | {m.dtype} | {m.impl} | {number(m.peak_mib, 0)} | {number(ratio, 2)} "
                      f"| {m.note} |")
     return lines + [""]
 
@@ -225,7 +208,7 @@ def _first_calls_section(results: Results) -> list[str]:
              "|---|---|---|---|---|---:|---:|"]
     for f in results.first_calls:
         lines.append(f"| {f.impl} | {f.op} | {f.direction} | {f.dtype} | {f.shape} | {f.first_call_ms:.1f} | "
-                     f"{_number(f.steady_ms, 3)} |")
+                     f"{number(f.steady_ms, 3)} |")
     return lines + [""]
 
 
@@ -239,19 +222,6 @@ def _copies_section(results: Results) -> list[str]:
              "| shape | dtype | MiB copied | fraction of copy | note |", "|---|---|---:|---:|---|"]
     for t in copies:
         mib = t.bytes / 2 / 2**20 if t.bytes else None
-        lines.append(f"| {t.shape} | {t.dtype} | {_number(mib, 0)} | {_number(t.fraction_of_copy, 2)} | "
+        lines.append(f"| {t.shape} | {t.dtype} | {number(mib, 0)} | {number(t.fraction_of_copy, 2)} | "
                      f"{t.note} |")
-    return lines + [""]
-
-
-def _overhead_section(results: Results) -> list[str]:
-    if not results.overhead:
-        return []
-    lines = ["## host overhead per call, softmax of a (4, 128) float32 tensor", "",
-             "Wall time per call over 2000 calls with one synchronize at the end.", "",
-             "| impl | `multisoft.softmax` (µs) | kernel `forward` (µs) | difference (µs) | note |",
-             "|---|---:|---:|---:|---|"]
-    for o in results.overhead:
-        lines.append(f"| {o.impl} | {_number(o.api_us)} | {_number(o.direct_us)} | {_number(o.difference_us)} "
-                     f"| {o.note} |")
     return lines + [""]

@@ -1,5 +1,5 @@
-"""One benchmark run: every case of the plan on every implementation, then peak memory, host overhead and the
-environment, with a progress bar."""
+"""One benchmark run: every case of the plan on every implementation (its kernel time and its eager wall time),
+then peak memory, the host time a call and the environment, with a progress bar."""
 
 from __future__ import annotations
 
@@ -10,61 +10,25 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import impls, plan, timing
+from . import host_time, impls, plan, timing
 from .impls import Impl, NotMeasured
-from .records import COPY_AT_END, FirstCall, MemoryRecord, Overhead, Results, Timing, describe_error
+from .progress import Progress
+from .records import COPY_AT_END, FirstCall, MemoryRecord, Results, Timing, describe_error
 
 DEVICE = "cuda"  # the tests' dry run sets "cpu"
 
 
-class Progress:
-    """tqdm when importable, else a one-line bar on stderr."""
-
-    def __init__(self, total: int):
-        self.total, self.done, self.start = total, 0, time.perf_counter()
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, file=sys.stderr, unit="case", dynamic_ncols=True)
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
-            self.bar.update(1)
-            return
-        width = 30
-        filled = width * self.done // max(1, self.total)
-        elapsed = time.perf_counter() - self.start
-        line = f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
-        sys.stderr.write(line[:120].ljust(120))
-        sys.stderr.flush()
-
-    def note(self, message: str) -> None:
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            sys.stderr.write("\r" + " " * 120 + "\r" + message + "\n")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 class Runner:
-    """What one run shares: the device, the timer, the first calls seen, the kernel modules that failed."""
+    """What one run shares: the device, the timers, the directions timed, the first calls seen, the kernel modules
+    that failed."""
 
     def __init__(self, args):
         import torch
 
         self.device = torch.device(DEVICE)
         self.timer, self.timing_method = timing.make_timer(args.warmup, args.rep, args.timer)
+        self.eager_timer, self.eager_method = timing.make_eager_timer(args.timer, args.eager_rep)
+        self.directions = plan.HEADLINE_DIRECTIONS if args.headline else plan.DIRECTIONS
         self.seen_first: set = set()
         self.failed_modules: dict = {}
         self.progress: Progress | None = None
@@ -102,10 +66,11 @@ class Runner:
             print(message, file=sys.stderr)
 
     def measure(self, impl: Impl, case: plan.Case, dtype_name: str, inputs: dict, results: Results) -> None:
-        """Time each of ``impl``'s directions on ``case``: a Timing each (and a FirstCall for each first forward
-        and backward of an op)."""
+        """Time each of ``impl``'s directions on ``case`` (of those this run times): a Timing each, with the kernel
+        time and then the eager wall time of the same call (and a FirstCall for each first forward and backward of
+        an op)."""
         skip = self.skip_reason(impl, case.op, dtype_name)
-        for direction in impl.directions:
+        for direction in (d for d in impl.directions if d in self.directions):
             record = Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label, case.n, direction,
                             bytes=plan.bytes_moved(case.op, direction, case.elements, plan.ELEMENT_SIZE[dtype_name]))
             results.timings.append(record)
@@ -121,12 +86,13 @@ class Runner:
                     first = FirstCall(impl.name, case.op, direction, dtype_name, case.label, timing.first_call_ms(fn))
                     results.first_calls.append(first)
                 record.ms = self.timer(fn)
+                record.eager_ms = record.ms if self.eager_timer is None else self.eager_timer(fn)
             except NotMeasured as reason:
                 record.note = str(reason)
             except Exception as error:  # noqa: BLE001 - record it (out of memory, a failing kernel) and go on
                 record.note = describe_error(error)
                 self.note(f"{impl.name} {case.op} {dtype_name} {case.label} {direction}: {record.note}")
-                _recover()
+                timing.recover()
             fn = None
             if record.ms:
                 record.gb_per_s = plan.gb_per_s(record.bytes, record.ms)
@@ -134,16 +100,8 @@ class Runner:
                     record.fraction_of_copy = record.gb_per_s / results.copy_gb_per_s
                 if first is not None:
                     first.steady_ms = record.ms
-
-
-def _recover() -> None:
-    import torch
-
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001 - a broken context is reported by the next measurements
-        pass
+            if record.eager_ms and results.copy_gb_per_s:
+                record.eager_fraction = plan.gb_per_s(record.bytes, record.eager_ms) / results.copy_gb_per_s
 
 
 def _copy_of(timer: Callable, shape: tuple, dtype) -> tuple[float, int]:
@@ -178,7 +136,7 @@ def source_commit() -> str | None:
     return commit.stdout.strip() + (" + changes" if changes.stdout.strip() else "")
 
 
-def environment(backends: list[str], timing_method: str, liger_note: str) -> dict:
+def environment(backends: list[str], runner: Runner, liger_note: str) -> dict:
     import torch
 
     from .._registry import get_backend
@@ -190,7 +148,9 @@ def environment(backends: list[str], timing_method: str, liger_note: str) -> dic
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": source_commit() or "unknown (not run from a git checkout)",
-        "timing": timing_method,
+        "timing": runner.timing_method,
+        "eager timing": runner.eager_method,
+        "host time": f"wall clock a call, mean of {host_time.HOST_CALLS} calls synchronised only at the ends",
         "liger": liger_note,
     }
     for name in backends:
@@ -249,7 +209,7 @@ def run(args) -> Results:
     torch.manual_seed(0)
     runner = Runner(args)
     backends, chosen, liger_note = choose_impls(args)
-    results = Results(environment(backends, runner.timing_method, liger_note), None)
+    results = Results(environment(backends, runner, liger_note), None)
     print(f"multisoft bench on {results.environment['gpu']}; backends: {', '.join(backends) or 'none'}; "
           f"liger: {liger_note}", file=sys.stderr)
     ms = copy_ms(runner.timer)
@@ -257,23 +217,25 @@ def run(args) -> Results:
     results.timings.append(Timing("copy", "torch", "copy", "-", "copy", f"{plan.COPY_BYTES >> 20} MiB", 0, "copy",
                                   ms=ms, bytes=2 * plan.COPY_BYTES, gb_per_s=results.copy_gb_per_s,
                                   fraction_of_copy=1.0))
-    cases = plan.plan_cases(args.ops, args.quick)
+    cases = plan.plan_cases(args.ops, args.quick, args.headline)
     results.timings += same_bytes_copies(runner, cases, args.dtypes, results.copy_gb_per_s)
-    memory_cases = cases.get("cross_entropy", [])
+    memory_cases = [] if args.headline else cases.get("cross_entropy", [])
     memory_impls = [impl for impl in chosen if "cross_entropy" in impl.ops]
-    total = sum(len(op_cases) * len([i for i in chosen if op in i.ops]) for op, op_cases in cases.items())
-    total = total * len(args.dtypes) + len(memory_cases) * len(args.dtypes) * len(memory_impls)
+    total = sum(len(case_dtypes(case, args.dtypes)) * len([i for i in chosen if op in i.ops])
+                for op, op_cases in cases.items() for case in op_cases)
+    total += len(memory_cases) * len(args.dtypes) * len(memory_impls)
     runner.progress = Progress(total + 1)
     try:
         for op_cases in cases.values():
             for dtype_name in args.dtypes:
                 for case in op_cases:
-                    _run_case(runner, chosen, case, dtype_name, results)
+                    if dtype_name in case_dtypes(case, args.dtypes):
+                        _run_case(runner, chosen, case, dtype_name, results)
         for dtype_name in args.dtypes:
             for case in memory_cases:
                 _run_memory(runner, memory_impls, case, dtype_name, results)
-        runner.progress.step("host overhead")
-        results.overhead = host_overhead(runner, backends)
+        runner.progress.step("host time a call")
+        results.host_times = host_time.measure_host_times(runner, chosen)
     finally:
         runner.progress.close()
     results.environment[COPY_AT_END] = f"{plan.gb_per_s(2 * plan.COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"
@@ -281,26 +243,31 @@ def run(args) -> Results:
     return results
 
 
+def case_dtypes(case: plan.Case, dtypes: list[str]) -> list[str]:
+    """The dtypes of ``dtypes`` that ``case`` is timed in (a headline cell: its own)."""
+    return [d for d in dtypes if not case.dtypes or d in case.dtypes]
+
+
 def same_bytes_copies(runner: Runner, cases: dict, dtypes: list[str], copy_gb_per_s: float) -> list[Timing]:
     """``dst.copy_(src)`` of one input of each dense headline shape, against the long copy: a short
     kernel's launch, ramp-up and tail cost it part of that bandwidth, whatever it computes."""
     import torch
 
-    shapes = dict.fromkeys(case.shape for op_cases in cases.values() for case in op_cases
-                           if "headline" in case.group and case.layout is None)
+    shapes = dict.fromkeys((case.shape, dtype_name) for op_cases in cases.values() for case in op_cases
+                           if "headline" in case.group and case.layout is None
+                           for dtype_name in case_dtypes(case, dtypes))
     records = []
-    for rows, cols in shapes:
-        for dtype_name in dtypes:
-            record = Timing("copy", "torch", "copy", dtype_name, "headline", f"{rows}x{cols}", cols, "copy")
-            try:
-                record.ms, record.bytes = _copy_of(runner.timer, (rows, cols),
-                                                   getattr(torch, plan.DTYPES[dtype_name]))
-                record.gb_per_s = plan.gb_per_s(record.bytes, record.ms)
-                record.fraction_of_copy = record.gb_per_s / copy_gb_per_s
-            except Exception as error:  # noqa: BLE001 - e.g. out of memory: noted, the run goes on
-                record.note = describe_error(error)
-                _recover()
-            records.append(record)
+    for (rows, cols), dtype_name in shapes:
+        record = Timing("copy", "torch", "copy", dtype_name, "headline", f"{rows}x{cols}", cols, "copy")
+        try:
+            record.ms, record.bytes = _copy_of(runner.timer, (rows, cols),
+                                               getattr(torch, plan.DTYPES[dtype_name]))
+            record.gb_per_s = plan.gb_per_s(record.bytes, record.ms)
+            record.fraction_of_copy = record.gb_per_s / copy_gb_per_s
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory: noted, the run goes on
+            record.note = describe_error(error)
+            timing.recover()
+        records.append(record)
     return records
 
 
@@ -310,10 +277,10 @@ def _run_case(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name: s
         inputs = impls.make_inputs(case, dtype_name, runner.device)
     except Exception as error:  # noqa: BLE001 - e.g. out of memory: every impl gets the note
         note = describe_error(error)
-        _recover()
+        timing.recover()
         for impl in runnable:
             runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
-            for direction in impl.directions:
+            for direction in (d for d in impl.directions if d in runner.directions):
                 results.timings.append(Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label,
                                               case.n, direction, note=note))
         return
@@ -321,7 +288,7 @@ def _run_case(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name: s
         runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
         runner.measure(impl, case, dtype_name, inputs, results)
     del inputs
-    _recover()
+    timing.recover()
 
 
 def _run_memory(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name: str, results: Results) -> None:
@@ -331,7 +298,7 @@ def _run_memory(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name:
     try:
         inputs = impls.make_inputs(case, dtype_name, runner.device)
     except Exception as error:  # noqa: BLE001
-        _recover()
+        timing.recover()
         runner.note(f"memory {case.label} {dtype_name}: {describe_error(error)}")
         return
     logits_mib = inputs["x"].numel() * inputs["x"].element_size() / 2**20
@@ -355,35 +322,6 @@ def _run_memory(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name:
             del loss, grad, x
         except Exception as error:  # noqa: BLE001
             record.note = describe_error(error)
-            _recover()
+            timing.recover()
     del inputs
-    _recover()
-
-
-def host_overhead(runner: Runner, backends: list[str], calls: int = 2000) -> list[Overhead]:
-    """Per-call wall time of multisoft.softmax vs the backend's kernel forward on a (4, 128) input."""
-    import torch
-
-    import multisoft
-
-    from .._registry import get_backend
-
-    x = torch.randn(4, 128, device=runner.device)
-    out = torch.empty_like(x)
-    rows = []
-    for name in backends:
-        note = runner.skip_reason(impls.backend_impl(name), "softmax", "fp32")
-        if note:
-            rows.append(Overhead(name, None, None, note))
-            continue
-        try:
-            kernel = get_backend(name).kernels("softmax")
-            api = timing.wall_us_per_call(lambda: multisoft.softmax(x, backend=name), calls)
-            direct = timing.wall_us_per_call(lambda: kernel.forward(x, out, False), calls)
-            rows.append(Overhead(name, api, direct))
-        except Exception as error:  # noqa: BLE001
-            _recover()
-            rows.append(Overhead(name, None, None, describe_error(error)))
-    native = timing.wall_us_per_call(lambda: torch.softmax(x, -1), calls)
-    rows.append(Overhead(impls.TORCH_PEER, native, native, "torch.softmax, for reference"))
-    return rows
+    timing.recover()

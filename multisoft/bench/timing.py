@@ -11,6 +11,10 @@ from typing import Callable
 HOLD_MARGIN = 1.5
 HOLD_MARGIN_MAX = 24.0
 FLUSH_BYTES = 256 << 20  # zeroed before each timed call: more than the L2 of any GPU this targets
+# The eager timing follows the kernel timing of the same call, which has warmed it up: a short warm-up, and a shorter
+# rep than the kernel timing's, for the run's time (a median of at least 10 ms of calls).
+EAGER_WARMUP_MS = 2.0
+EAGER_REP_MS = 10.0
 
 _sleep_cycles_per_ms: list[float] = []
 
@@ -30,6 +34,14 @@ def make_timer(warmup: float, rep: float, kind: str = "do_bench") -> tuple[Calla
         return (lambda fn: event_bench(fn, warmup, rep)), f"torch.cuda.Event ({settings})"
     return (lambda fn: float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))), \
         f"triton.testing.do_bench ({settings})"
+
+
+def make_eager_timer(kernel_kind: str, rep: float = EAGER_REP_MS) -> tuple[Callable | None, str]:
+    """The timer of the eager wall time (do_bench: host time included, L2 flushed between reps) and how it times;
+    None when the kernel timer ``kernel_kind`` is do_bench already: the eager time is then the kernel time."""
+    if kernel_kind == "do_bench":
+        return None, "the kernel timing (--timer do_bench)"
+    return make_timer(EAGER_WARMUP_MS, rep, "do_bench")
 
 
 def _hold_gpu(ms: float) -> None:
@@ -142,7 +154,8 @@ def event_bench(fn: Callable, warmup: float, rep: float) -> float:
 
 
 def wall_us_per_call(fn: Callable, calls: int) -> float:
-    """Host wall-clock per call over ``calls`` calls, with one synchronize at the end."""
+    """Host wall-clock microseconds per call over ``calls`` calls (after 20 unmeasured), synchronised only
+    before the first and after the last."""
     import torch
 
     for _ in range(20):
@@ -153,6 +166,17 @@ def wall_us_per_call(fn: Callable, calls: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def recover() -> None:
+    """After a failed call: wait for the GPU and return its cached memory (e.g. after running out of it)."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a broken context is reported by the next measurements
+        pass
 
 
 def first_call_ms(fn: Callable) -> float:
