@@ -108,13 +108,25 @@ def test_the_commit_measured_is_named():
 
 
 @pytest.mark.parametrize("op, factors", [
-    ("softmax", (2, 3, 5)), ("log_softmax", (2, 3, 5)), ("blocksparse_softmax", (2, 3, 5)),
-    ("cross_entropy", (1, 2, 3)),
+    ("softmax", {"forward": 2, "backward": 3, "forward+backward": 5}),
+    ("log_softmax", {"forward": 2, "backward": 3, "forward+backward": 5}),
+    ("blocksparse_softmax", {"forward": 2, "backward": 3, "forward+backward": 5}),
+    # the two-pass floor: the logits read once, the gradient written once; no backward of its own
+    ("cross_entropy", {"forward": 1, "forward+backward": 2}),
 ])
 def test_bytes_moved(op, factors):
-    for direction, factor in zip(plan.DIRECTIONS, factors):
+    assert plan.OP_DIRECTIONS[op] == tuple(factors)
+    for direction, factor in factors.items():
         assert plan.bytes_moved(op, direction, 1000, 2) == factor * 1000 * 2
-    assert plan.bytes_moved(op, "forward", 16384 * 4096, 4) == factors[0] * 16384 * 4096 * 4
+    assert plan.bytes_moved(op, "forward", 16384 * 4096, 4) == factors["forward"] * 16384 * 4096 * 4
+    assert plan.bytes_moved("cross_entropy", "forward+backward", 8192 * 32000, 2) == 2 * 8192 * 32000 * 2
+
+
+def test_bytes_counted_states_the_traffic():
+    assert plan.bytes_counted() == (
+        "softmax, log_softmax and block-sparse (over Z·nnz·block² elements): forward 2, backward 3, "
+        "forward+backward 5 × elements × element size; cross-entropy: forward 1, forward+backward 2 × M·V × element "
+        "size (the logits read once, and for forward+backward the gradient written once)")
 
 
 def test_gb_per_s():
@@ -219,12 +231,12 @@ def _fake_results():
                 _timing("softmax", "torch-native", "bf16", f"{(1 << 26) // n}x{n}", direction, fraction / 2,
                         role="peer", group="sweep", n=n, eager=fraction / 4),
             ]
+    for direction in plan.OP_DIRECTIONS["cross_entropy"]:
         timings.append(_timing("cross_entropy", "triton", "fp32", "8192x32000", direction, 0.88, eager=0.61))
-        liger_note = "Liger computes the gradient in its forward" if direction == "backward" else ""
-        timings.append(_timing("cross_entropy", "liger", "fp32", "8192x32000", direction,
-                               None if liger_note else 0.7, role="peer", note=liger_note,
-                               eager=None if liger_note else 0.52))
-    results = records.Results({"gpu": "Fake GPU", "timing": "fake"}, 4000.0, timings)
+        timings.append(_timing("cross_entropy", "liger", "fp32", "8192x32000", direction, 0.7, role="peer",
+                               eager=0.52))
+    results = records.Results({"gpu": "Fake GPU", "timing": "fake", records.BYTES_COUNTED: plan.bytes_counted()},
+                              4000.0, timings)
     results.memory = [records.MemoryRecord("triton", "fp32", "8192x32000", 1000.0, 1000.0),
                       records.MemoryRecord("triton inplace", "fp32", "8192x32000", 0.5, 1000.0),
                       records.MemoryRecord("numba", "fp32", "8192x32000", None, 1000.0, "error: ImportError: x")]
@@ -283,7 +295,13 @@ def test_reports(tmp_path):
     assert "- numba: unavailable: no bf16 (bf16 16384x4096 forward and 2 more)" in text
     assert text.index("- cupy: error") < text.index("- numba: unavailable")
     assert "| 8192x32000 | fp32 | **0.88** / 0.61 | 0.70 / 0.52 |" in text
-    assert "| 8192x32000 | fp32 | 0.88 / 0.61 | — |" in text
+    cross_entropy = text[text.index("## cross_entropy"):]
+    cross_entropy = cross_entropy[:cross_entropy.index("\n## ", 1)]
+    assert "**forward+backward**" in cross_entropy and "**forward**" in cross_entropy
+    assert "**backward**" not in cross_entropy
+    # the bytes as the run counted them, in the text (not as an environment line)
+    assert f"Bytes counted: {plan.bytes_counted()}. Milliseconds" in text
+    assert "- bytes counted" not in text
     assert "| 8192x32000 | fp32 | triton inplace | 0 | 0.00 |" in text
     assert "## headline: what a user gets on Fake GPU" in text and "## host time a call" in text
     assert text.index("## headline") < text.index("## softmax") < text.index("## host time a call")
@@ -385,6 +403,19 @@ def test_a_run_without_eager_times_or_host_times_reports_as_before(tmp_path):
     assert "kernel / eager**. Kernel" not in text.split("## headline")[0]
     assert "| triton | 0.91 | 0.88 |" in text and "(no eager times)" in text
     assert "## host time a call" not in text and "host µs" not in text
+
+
+def test_a_run_that_did_not_record_its_bytes_reports_how_they_were_counted_then(tmp_path):
+    """The records of a run without a `bytes counted` entry counted cross-entropy's backward as a pass of its own
+    (1, 2, 3 x M·V): results.md made from them says so, not today's count."""
+    out = tmp_path / "out"
+    results = _fake_results()
+    del results.environment[records.BYTES_COUNTED]
+    report.write_reports(results, out)
+    text = report.markdown_report(records.read_results(out))
+    assert "cross-entropy: 1, 2, 3 × M·V × element size. A fused implementation can pass 1.0 on " \
+           "forward+backward. Milliseconds" in text
+    assert plan.bytes_counted() not in text
 
 
 def test_headline_section_from_synthetic_records():

@@ -179,6 +179,82 @@ def test_host_call_is_a_training_steps_call():
     assert torch.equal(seen[-1].grad, torch.full(host_time.HOST_SHAPE, 2.0))
 
 
+def _recording(impl):
+    """``impl`` whose calls append their argument (the x, or leaf, each call is given) to the list returned."""
+    import dataclasses
+
+    seen = []
+
+    def make(op, inputs):
+        f = impl.make(op, inputs)
+        return lambda x: (seen.append(x), f(x))[1]
+    return dataclasses.replace(impl, make=make), seen
+
+
+def test_cross_entropy_is_timed_as_a_training_step_builds_it():
+    """Cross-entropy on the torch backend: forward reads logits that do not require grad; there is no backward of
+    its own; forward+backward builds a new graph every call (multisoft's graph takes one backward), and the leaf's
+    grad is float64 torch's gradient after every call. The in-place entry runs on its own copy of the logits (the
+    inputs stay intact), which holds the gradient after a call; later calls run on those values: finite, within
+    1/M."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, classes = 8, 100
+    inputs = impls.make_inputs(plan.Case("cross_entropy", "test", "8x100", (rows, classes), rows * classes,
+                                         n=classes), "fp32", "cpu")
+    x, target = inputs["x"], inputs["target"]
+    before = x.clone()
+    logits64 = x.double().requires_grad_(True)
+    F.cross_entropy(logits64, target).backward()
+    expected = logits64.grad.float()
+
+    impl, seen = _recording(impls.backend_impl("torch"))
+    loss = impls.prepare(impl, "cross_entropy", "forward", inputs)()
+    assert seen[-1] is x and loss.grad_fn is None
+    with pytest.raises(ValueError, match="cross_entropy has no backward"):
+        impls.prepare(impl, "cross_entropy", "backward", inputs)
+    step = impls.prepare(impl, "cross_entropy", "forward+backward", inputs)
+    for _ in range(3):
+        step()
+        torch.testing.assert_close(seen[-1].grad, expected)
+    assert seen[-1] is seen[-2] and seen[-1].is_leaf and torch.equal(x, before)
+    host = host_time.host_call(impl, "cross_entropy", "forward+backward", inputs)
+    host()
+    host()
+    torch.testing.assert_close(seen[-1].grad, expected)
+
+    inplace, seen = _recording(impls.inplace_impl("torch"))
+    step = impls.prepare(inplace, "cross_entropy", "forward+backward", inputs)
+    step()
+    leaf = seen[-1]
+    assert leaf is not x and torch.equal(x, before)
+    assert leaf.grad.data_ptr() == leaf.data_ptr()
+    torch.testing.assert_close(leaf, expected)
+    for _ in range(2):
+        step()
+        assert seen[-1] is leaf and leaf.grad.data_ptr() == leaf.data_ptr()
+        values = leaf.detach()
+        assert bool(torch.isfinite(values).all()) and float(values.abs().max()) <= 1 / rows
+    assert torch.equal(x, before)
+
+
+def test_an_implementation_that_writes_into_its_input_gets_a_copy():
+    """A peer whose forward writes into x (as some Liger versions do, grad or not): the inputs shared by every
+    implementation of a case stay intact, in the timings and in the host time."""
+    import torch
+
+    def make(op, inputs):
+        return lambda x: (x.detach().mul_(0.0), (x * 2.0).sum())[1]
+    impl = impls.Impl("writer", "peer", ("cross_entropy",), make, inplace_ops=("cross_entropy",))
+    inputs = impls.make_inputs(host_time.host_case("cross_entropy"), "fp32", "cpu")
+    before = inputs["x"].clone()
+    for direction in plan.OP_DIRECTIONS["cross_entropy"]:
+        impls.prepare(impl, "cross_entropy", direction, inputs)()
+        host_time.host_call(impl, "cross_entropy", direction, inputs)()
+    assert torch.equal(inputs["x"], before)
+
+
 def _failing_backend(monkeypatch):
     """A backend whose softmax raises when called and which has no cross-entropy module at all."""
     import types
@@ -277,6 +353,12 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
     assert torch_rows and all(float(r["ms"]) > 0 and float(r["fraction_of_copy"]) > 0 for r in torch_rows)
     # 3 shapes per dense op (headline, 2 sweep), 2 dtypes, 3 directions
     assert len([r for r in torch_rows if r["op"] == "softmax"]) == 3 * 2 * 3
+    # cross-entropy: forward and forward+backward (no backward of its own), 1 x and 2 x M·V x element size
+    for impl in ("torch", "torch-native"):
+        cells = [(r["dtype"], r["direction"], int(r["bytes"])) for r in rows
+                 if r["impl"] == impl and r["op"] == "cross_entropy"]
+        assert cells == [("fp32", "forward", 8 * 100 * 4), ("fp32", "forward+backward", 2 * 8 * 100 * 4),
+                         ("bf16", "forward", 8 * 100 * 2), ("bf16", "forward+backward", 2 * 8 * 100 * 2)]
     # the long copy, then a copy of each dense headline shape's bytes (softmax's and cross-entropy's), 2 dtypes
     copies = [(r["shape"], r["dtype"], int(r["bytes"])) for r in rows
               if r["op"] == "copy" and r["group"] == "headline"]
@@ -313,6 +395,7 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
     assert "## copy of each headline shape's bytes" in text and "| 8x100 | bf16 |" in text
     assert "- commit: " in text
     assert "- eager timing: do_bench (test)" in text and "## host time a call" in text
+    assert f"Bytes counted: {plan.bytes_counted()}." in text
 
 
 def _check_host_times(rows):

@@ -1,12 +1,13 @@
 """``multisoft bench``: every op on every backend, against the copy bandwidth.
 
-Times forward, backward and forward+backward of softmax, log_softmax,
-cross_entropy and blocksparse_softmax on each backend that can run here (those
-selectable only by name, such as a float64 reference, are not timed), next to
-torch's own ops and Liger-Kernel's (when importable), with CUDA events (median,
-L2 cleared between repetitions) twice: the kernel time (the GPU's work, host
-time hidden) and the eager wall time (triton.testing.do_bench, host time
-included: what an eager PyTorch user gets). Each result is given in GB/s and as
+Times forward, backward and forward+backward of softmax, log_softmax and
+blocksparse_softmax, and forward and forward+backward of cross_entropy (whose
+forward computes the gradient and whose backward only scales it), on each
+backend that can run here (those selectable only by name, such as a float64
+reference, are not timed), next to torch's own ops and Liger-Kernel's (when
+importable), with CUDA events (median, L2 cleared between repetitions) twice:
+the kernel time (the GPU's work, host time hidden) and the eager wall time
+(triton.testing.do_bench, host time included: what an eager PyTorch user gets). Each result is given in GB/s and as
 a fraction of a device-to-device copy measured in the same run. Also: peak
 memory of cross-entropy forward+backward, the first (compiling) call of each
 backend, and the host time a call of each implementation on a tiny tensor.

@@ -23,17 +23,14 @@ def host_case(op: str) -> plan.Case:
 
 def host_call(impl: Impl, op: str, direction: str, inputs: dict) -> Callable:
     """One call as a training step makes it: ``f(x)``; for forward+backward ``f(x)`` of an x that requires grad,
-    then ``loss.backward()`` (softmax: ``y.backward(g)``, g allocated once), x.grad cleared before each call."""
+    then ``loss.backward()`` (softmax: ``y.backward(g)``, g allocated once), x.grad cleared before each call: a
+    new graph each call (impls.training_step), as multisoft's cross-entropy needs (its graph takes one backward)."""
     f = impl.make(op, inputs)
     x, grad = inputs["x"], inputs["grad"]
     if direction == "forward":
-        return lambda: f(x)
-    leaf = x.detach().clone().requires_grad_(True)
-
-    def forward_backward():
-        leaf.grad = None
-        f(leaf).backward(grad)
-    return forward_backward
+        own = x.detach().clone() if op in impl.inplace_ops else x  # one that writes into x: a copy, made once
+        return lambda: f(own)
+    return impls.training_step(f, x.detach().clone().requires_grad_(True), grad)
 
 
 def kernel_call(impl: Impl, inputs: dict) -> Callable:
@@ -57,7 +54,7 @@ def measure_host_times(runner, chosen: list[Impl], calls: int | None = None) -> 
         inputs = impls.make_inputs(case, HOST_DTYPE, runner.device)
         for impl in (impl for impl in chosen if op in impl.ops):
             skip = runner.skip_reason(impl, op, HOST_DTYPE)
-            for direction in (d for d in HOST_DIRECTIONS if d in impl.directions):
+            for direction in (d for d in HOST_DIRECTIONS if d in impls.directions_of(impl, op)):
                 record = HostTime(impl.name, impl.role, op, HOST_DTYPE, case.label, direction, None, note=skip)
                 records.append(record)
                 if skip:

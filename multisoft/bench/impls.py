@@ -14,10 +14,6 @@ TORCH_PEER = "torch-native"
 LIGER_PEER = "liger"
 
 
-class NotMeasured(Exception):
-    """This implementation has no separate measurement for this direction (the message says why)."""
-
-
 @dataclasses.dataclass
 class Impl:
     """A backend or a peer: ``make(op, inputs)`` gives the function x -> output (a loss for cross-entropy)."""
@@ -26,9 +22,13 @@ class Impl:
     role: str  # "backend" or "peer"
     ops: tuple
     make: Callable
-    inplace_ops: tuple = ()  # ops whose forward writes the gradient into x (no backward of their own)
-    inplace_note: str = ""
-    directions: tuple = plan.DIRECTIONS  # what is timed of each op
+    inplace_ops: tuple = ()  # ops whose call may write into x (the gradient): each timing gets a copy of x
+    directions: tuple = plan.DIRECTIONS  # what is timed of each op (of those plan.OP_DIRECTIONS names)
+
+
+def directions_of(impl: Impl, op: str) -> tuple:
+    """The directions timed of ``impl`` running ``op``: its own, of those the op has (plan.OP_DIRECTIONS)."""
+    return tuple(direction for direction in impl.directions if direction in plan.OP_DIRECTIONS[op])
 
 
 def backend_impl(name: str) -> Impl:
@@ -49,14 +49,15 @@ def backend_impl(name: str) -> Impl:
 
 
 def inplace_impl(name: str) -> Impl:
-    """A backend's cross-entropy with inplace_backward=True, named "<backend> inplace": forward+backward only."""
+    """A backend's cross-entropy with inplace_backward=True, named "<backend> inplace": forward+backward only (a
+    forward of logits that do not require grad writes nothing: it is the ordinary forward)."""
     def make(op, inputs):
         import multisoft
 
         target = inputs["target"]
         return lambda x: multisoft.cross_entropy(x, target, backend=name, inplace_backward=True)
     return Impl(f"{name} inplace", "backend", ("cross_entropy",), make, inplace_ops=("cross_entropy",),
-                inplace_note="inplace_backward's backward overwrites the logits", directions=("forward+backward",))
+                directions=("forward+backward",))
 
 
 def torch_peer() -> Impl:
@@ -109,8 +110,8 @@ def liger_peer() -> tuple[Impl | None, str]:
     def make(op, inputs):
         return ops[op](inputs.get("target"))
     note = f"{version}" + (f" ({'; '.join(reasons)})" if reasons else "")
-    return Impl(LIGER_PEER, "peer", tuple(ops), make, inplace_ops=("cross_entropy",),
-                inplace_note="Liger computes the gradient in its forward"), note
+    # Liger's forward writes the gradient into its input (some versions even when it does not require grad)
+    return Impl(LIGER_PEER, "peer", tuple(ops), make, inplace_ops=("cross_entropy",)), note
 
 
 def make_inputs(case: plan.Case, dtype_name: str, device) -> dict:
@@ -130,19 +131,37 @@ def make_inputs(case: plan.Case, dtype_name: str, device) -> dict:
     return inputs
 
 
+def training_step(f: Callable, leaf, grad) -> Callable:
+    """One call as a training step makes it: ``leaf.grad`` cleared (as ``zero_grad()`` does), then ``f(leaf)``
+    and its backward, ``loss.backward()`` (an output's: ``y.backward(grad)``). Each call builds a new graph."""
+    def step():
+        leaf.grad = None
+        f(leaf).backward(grad)
+    return step
+
+
 def prepare(impl: Impl, op: str, direction: str, inputs: dict) -> Callable:
-    """The zero-argument call to time for one direction (the backward reuses one forward's graph)."""
+    """The zero-argument call to time for one direction of plan.OP_DIRECTIONS[op].
+
+    forward: ``f(x)`` of an x that does not require grad (cross-entropy only reads the logits then).
+    backward (not of cross-entropy): the backward of one forward's graph, kept for every call.
+    forward+backward: training_step on a leaf that requires grad.
+    An implementation that writes into x (``inplace_ops``) gets its own copy of x, made here, outside the timed
+    call: the shared inputs stay intact, and from the second call on it runs on the gradient the previous call
+    left in that copy (cross-entropy of a mean: values in [-1/M, 1/M], finite, and as many bytes to move).
+    """
     import torch
 
+    if direction not in plan.OP_DIRECTIONS[op]:
+        raise ValueError(f"{op} has no {direction} of its own to time (plan.OP_DIRECTIONS)")
     f = impl.make(op, inputs)
     x, grad = inputs["x"], inputs["grad"]
+    if op in impl.inplace_ops:
+        x = x.detach().clone()
     if direction == "forward":
         return lambda: f(x)
-    inplace = op in impl.inplace_ops
-    if direction == "backward" and inplace:
-        raise NotMeasured(impl.inplace_note)
-    xg = (x.detach().clone() if inplace else x.detach()).requires_grad_(True)
+    leaf = x.detach().requires_grad_(True)
     if direction == "backward":
-        y = f(xg)
-        return lambda: torch.autograd.grad(y, xg, grad, retain_graph=True)
-    return lambda: torch.autograd.grad(f(xg), xg, grad)
+        y = f(leaf)
+        return lambda: torch.autograd.grad(y, leaf, grad, retain_graph=True)
+    return training_step(f, leaf, grad)

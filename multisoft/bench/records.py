@@ -13,6 +13,7 @@ from typing import get_type_hints
 ENVIRONMENT_FILE = "environment.json"
 HOST_TIME_FILE = "host_time.csv"
 COPY_AT_END = "copy bandwidth at the end"  # an environment entry: the long copy measured again after the run
+BYTES_COUNTED = "bytes counted"  # an environment entry: how the run counted each op's bytes (plan.bytes_counted)
 
 
 @dataclasses.dataclass

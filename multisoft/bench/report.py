@@ -10,7 +10,7 @@ from pathlib import Path
 from . import plan
 from .cells import as_shown, fraction_cell, impl_order, number
 from .headline import headline_section, host_time_section
-from .records import COPY_AT_END, Results, Shortfall, Timing, first_shortfall, write_records
+from .records import BYTES_COUNTED, COPY_AT_END, Results, Shortfall, Timing, first_shortfall, write_records
 
 # The backends' speed targets, as a fraction of the copy bandwidth: this many for these backends (None: no target;
 # the torch backend is PyTorch's own ops), DEFAULT_TARGET for any other, over the directions of each op that
@@ -20,6 +20,11 @@ DEFAULT_TARGET = 0.90
 TARGET_DIRECTIONS = {"softmax": ("forward", "backward"), "log_softmax": ("forward", "backward"),
                      "cross_entropy": ("forward+backward",), "blocksparse_softmax": ("forward", "backward")}
 NO_REASON = "no reason on record"
+# How the bytes of a run that did not record them (no BYTES_COUNTED entry) were counted: cross-entropy's backward
+# as a pass of its own that read the logits again and wrote the gradient.
+BYTES_COUNTED_UNRECORDED = ("softmax, log_softmax and block-sparse (over Z·nnz·block² elements): forward 2, backward "
+                            "3, forward+backward 5 × elements × element size; cross-entropy: 1, 2, 3 × M·V × element "
+                            "size. A fused implementation can pass 1.0 on forward+backward")
 
 
 def write_markdown(results: Results, out: Path, shortfalls: list[Shortfall] | None = None) -> Path:
@@ -154,6 +159,7 @@ def _targets_section(timings: list[Timing], shortfalls: list[Shortfall] | None =
 def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None) -> str:
     env = dict(results.environment)
     at_end = env.pop(COPY_AT_END, None)
+    counted = env.pop(BYTES_COUNTED, BYTES_COUNTED_UNRECORDED)
     copy = results.copy_gb_per_s
     lines = ["# multisoft benchmark", ""]
     lines += [f"- {key}: {value}" for key, value in env.items()]
@@ -167,9 +173,7 @@ def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None)
                  "time included (`eager timing`); where the host issues a call more slowly than the GPU runs it, "
                  "eager is lower."
                  if eager else " (best of a row in bold).")
-              + " Bytes counted: softmax, log_softmax and block-sparse (over Z·nnz·block² elements): "
-              "forward 2, backward 3, forward+backward 5 × elements × element size; cross-entropy: 1, 2, 3 × "
-              "M·V × element size. A fused implementation can pass 1.0 on forward+backward. "
+              + f" Bytes counted: {counted}. "
               "Milliseconds and GB/s are in `timings.csv`; `—` = not timed (listed under each table).", ""]
     if env.get("timing", "").startswith(("triton.testing.do_bench", "torch.cuda.Event")):
         lines += ["These times include host overhead wherever the host launches a call more slowly than the GPU "

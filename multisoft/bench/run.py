@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Callable
 
 from . import host_time, impls, plan, timing
-from .impls import Impl, NotMeasured
+from .impls import Impl
 from .progress import Progress
-from .records import COPY_AT_END, FirstCall, MemoryRecord, Results, Timing, describe_error
+from .records import BYTES_COUNTED, COPY_AT_END, FirstCall, MemoryRecord, Results, Timing, describe_error
 
 DEVICE = "cuda"  # the tests' dry run sets "cpu"
 
@@ -70,7 +70,7 @@ class Runner:
         time and then the eager wall time of the same call (and a FirstCall for each first forward and backward of
         an op)."""
         skip = self.skip_reason(impl, case.op, dtype_name)
-        for direction in (d for d in impl.directions if d in self.directions):
+        for direction in (d for d in impls.directions_of(impl, case.op) if d in self.directions):
             record = Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label, case.n, direction,
                             bytes=plan.bytes_moved(case.op, direction, case.elements, plan.ELEMENT_SIZE[dtype_name]))
             results.timings.append(record)
@@ -87,8 +87,6 @@ class Runner:
                     results.first_calls.append(first)
                 record.ms = self.timer(fn)
                 record.eager_ms = record.ms if self.eager_timer is None else self.eager_timer(fn)
-            except NotMeasured as reason:
-                record.note = str(reason)
             except Exception as error:  # noqa: BLE001 - record it (out of memory, a failing kernel) and go on
                 record.note = describe_error(error)
                 self.note(f"{impl.name} {case.op} {dtype_name} {case.label} {direction}: {record.note}")
@@ -152,6 +150,7 @@ def environment(backends: list[str], runner: Runner, liger_note: str) -> dict:
         "eager timing": runner.eager_method,
         "host time": f"wall clock a call, mean of {host_time.HOST_CALLS} calls synchronised only at the ends",
         "liger": liger_note,
+        BYTES_COUNTED: plan.bytes_counted(),
     }
     for name in backends:
         try:
@@ -280,7 +279,7 @@ def _run_case(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name: s
         timing.recover()
         for impl in runnable:
             runner.progress.step(f"{case.op} {dtype_name} {case.label} {impl.name}")
-            for direction in (d for d in impl.directions if d in runner.directions):
+            for direction in (d for d in impls.directions_of(impl, case.op) if d in runner.directions):
                 results.timings.append(Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label,
                                               case.n, direction, note=note))
         return
