@@ -15,6 +15,7 @@ from ._blocksparse import (
     blocksparse_to_dense,
 )
 from ._cross_entropy import cross_entropy
+from ._linear_cross_entropy import linear_cross_entropy
 from ._softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "blocksparse_softmax_backward",
     "blocksparse_to_dense",
     "cross_entropy",
+    "linear_cross_entropy",
     "log_softmax",
     "nn",
     "softmax",

@@ -1,4 +1,5 @@
-"""Drop-in modules for ``torch.nn.Softmax``, ``torch.nn.LogSoftmax`` and ``torch.nn.CrossEntropyLoss``."""
+"""Drop-in modules for ``torch.nn.Softmax``, ``torch.nn.LogSoftmax`` and ``torch.nn.CrossEntropyLoss``, and the
+fused ``LinearCrossEntropyLoss``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import warnings
 import torch
 
 from ._cross_entropy import cross_entropy
+from ._linear_cross_entropy import linear_cross_entropy
 from ._softmax import log_softmax, softmax
 
 
@@ -80,3 +82,39 @@ class CrossEntropyLoss(torch.nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
                 f"softcap={self.softcap}, return_lse={self.return_lse}, backend={self.backend!r}")
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The loss of a language model's last layer without its logits: ``multisoft.linear_cross_entropy``.
+
+    A criterion, like ``CrossEntropyLoss``: ``forward(input, linear_weight,
+    target, linear_bias=None)`` takes the hidden states and the output layer's
+    weight (and bias), so the model keeps owning its ``torch.nn.Linear`` (pass
+    ``lm_head.weight``). torch's own ``torch.nn.LinearCrossEntropyLoss`` owns
+    its Linear instead. The options are those of
+    ``multisoft.linear_cross_entropy``; ``weight`` is a buffer, so it follows
+    ``.to(device)``.
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float | None = None,
+                 return_lse: bool = False, backend: str | None = None, chunk_size: int | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.lse_square_scale, self.softcap, self.return_lse = lse_square_scale, softcap, return_lse
+        self.backend, self.chunk_size = backend, chunk_size
+
+    def forward(self, input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
+                linear_bias: torch.Tensor | None = None):
+        return linear_cross_entropy(input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
+                                    reduction=self.reduction, ignore_index=self.ignore_index,
+                                    label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+                                    softcap=self.softcap, return_lse=self.return_lse, backend=self.backend,
+                                    chunk_size=self.chunk_size)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, lse_square_scale={self.lse_square_scale}, "
+                f"softcap={self.softcap}, return_lse={self.return_lse}, backend={self.backend!r}, "
+                f"chunk_size={self.chunk_size}")

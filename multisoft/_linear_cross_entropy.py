@@ -1,0 +1,426 @@
+"""linear_cross_entropy: the cross-entropy of ``F.linear(input, linear_weight, linear_bias)`` without its logits.
+
+A language model's last layer turns M hidden states of size H into M x V
+logits (V the vocabulary): at M = 8192 and V = 128k that is 2 GiB in bf16,
+and the logits' gradient as much again. Here the rows go a chunk at a time:
+
+    logits = input[chunk] @ linear_weight.T (+ linear_bias)        torch (cuBLAS), in the input's dtype
+    backend forward(logits, ..., grad_logits=logits, grad_scale)   one kernel call: loss, lse and, in place,
+                                                                   the logits' gradient
+    grad_input[chunk] = grad_logits @ linear_weight                torch
+    grad_weight += grad_logits.T @ input[chunk]                    torch
+    grad_bias += grad_logits.sum(0)
+
+so only one chunk of logits exists at a time (one buffer, reused by every
+chunk). ``grad_scale`` is a mean's 1 / denominator, computed from all the
+targets before the first chunk, so each chunk's gradient is already the final
+one for an incoming gradient of 1. With a reduced loss all of this happens in
+the forward (as Liger-Kernel's fused linear cross-entropy does): autograd keeps
+the gradients of input, linear_weight and linear_bias (O(M·H + V·H), nothing of
+size M·V), and the backward multiplies them by the incoming gradient with the
+backend's ``scale``, which on a GPU backend reads that gradient on the device
+and returns at once when it is exactly 1 (no pass over the gradients, no host
+synchronisation); elsewhere it is one in-place pass per gradient.
+
+``reduction="none"`` cannot fold the incoming per-row gradients in beforehand:
+its forward computes the loss only, and its backward runs the chunk loop again
+with ``grad_scale`` = the incoming gradient (which the kernel then applies per
+row): the logits' matmul twice, four matmuls of M·V·H in all instead of three.
+A gradient through a returned lse is computed the same way, in the backward
+(``p * du/dx`` per chunk in float32 torch ops).
+
+The weight's gradient is accumulated over the chunks in float32 for 16-bit
+weights (each chunk's product rounded once to the weight's dtype by the matmul,
+then added in float32, the sum rounded once at the end), in the weight's dtype
+otherwise; one chunk is a single matmul, as ``F.linear``'s backward computes it.
+The bias's gradient likewise (row sums in float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _validate
+from ._cross_entropy import _broadcast_ones, _denominator, _lse_gradient, _stats_dtype, cross_entropy
+from ._cross_entropy import _check as _check_cross_entropy
+from ._registry import get_backend, resolve_name
+
+# A chunk's logits take at most CHUNK_BYTES (or an eighth of all the logits, if less), but a chunk has at least
+# MIN_CHUNK_ROWS rows (all of them where there are fewer): matmuls of that height still run near the GPU's peak.
+CHUNK_BYTES = 256 << 20
+MIN_CHUNK_ROWS = 1024
+
+_SECOND_BACKWARD = ("multisoft.linear_cross_entropy computes its gradients in the forward and hands them out in the "
+                    "first backward: a second backward through the same graph is not possible (compute the loss "
+                    "again)")
+_DOUBLE_BACKWARD = ("multisoft.linear_cross_entropy does not support double backward (create_graph=True): its "
+                    "gradients are computed chunk by chunk and the logits are not kept")
+
+
+def default_chunk_rows(rows: int, classes: int, element_size: int) -> int:
+    """Rows per chunk: the fewer of an eighth of the rows and the rows whose logits fit in CHUNK_BYTES, but at
+    least MIN_CHUNK_ROWS (all the rows where there are fewer)."""
+    budget = max(CHUNK_BYTES // max(classes * element_size, 1), 1)
+    eighth = -(-rows // 8)
+    return max(1, min(rows, max(MIN_CHUNK_ROWS, min(eighth, budget))))
+
+
+@dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    label_smoothing: float
+    softcap: float            # 0.0: none
+    lse_square_scale: float
+    reduction: str
+    backend: str
+    chunk_rows: int
+
+
+def _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, *, grad_scale=None, grad_lse=None,
+                want=(False, False, False), stats=None):
+    """One pass over the rows, a chunk at a time, through one logits buffer.
+
+    ``stats`` (loss_rows, lse, row_weight), each (M,): the backend's forward runs and writes them (and, with
+    ``grad_scale``, the gradient of the loss times grad_scale, into the logits buffer). ``grad_lse`` (M,): its
+    gradient ``grad_lse * p * du/dx`` is added (computed from the logits before the kernel overwrites them).
+    Returns (grad_input, grad_weight, grad_bias), each None unless ``want`` asks for it."""
+    rows, classes = input2d.shape[0], linear_weight.shape[0]
+    chunk_rows = min(options.chunk_rows, rows)
+    kernels = get_backend(options.backend).kernels("cross_entropy")
+    buffer = torch.empty((chunk_rows, classes), dtype=input2d.dtype, device=input2d.device)
+    with_grad = grad_scale is not None or grad_lse is not None
+    want_input, want_weight, want_bias = want if with_grad else (False, False, False)
+    grad_input = torch.empty_like(input2d, memory_format=torch.contiguous_format) if want_input else None
+    weight_sum = bias_sum = None
+    accumulate_dtype = torch.promote_types(input2d.dtype, torch.float32)
+    for start in range(0, rows, chunk_rows):
+        stop = min(start + chunk_rows, rows)
+        x, logits = input2d[start:stop], buffer[: stop - start]
+        if linear_bias is None:
+            torch.mm(x, linear_weight.t(), out=logits)
+        else:
+            torch.addmm(linear_bias, x, linear_weight.t(), out=logits)
+        lse_part = _lse_gradient(logits, grad_lse[start:stop], options.softcap) if grad_lse is not None else None
+        if stats is not None:
+            loss_rows, lse, row_weight = stats
+            kernels.forward(logits, target[start:stop], weight, loss_rows[start:stop], lse[start:stop],
+                            row_weight[start:stop], logits if grad_scale is not None else None,
+                            grad_scale[start:stop] if grad_scale is not None else None, options.ignore_index,
+                            options.label_smoothing, options.softcap, options.lse_square_scale)
+        if not with_grad:
+            continue
+        if lse_part is not None:
+            if grad_scale is not None:
+                logits.add_(lse_part)
+            else:
+                logits.copy_(lse_part)
+        if want_input:
+            torch.mm(logits, linear_weight, out=grad_input[start:stop])
+        if want_weight:
+            if weight_sum is None:
+                weight_sum = torch.mm(logits.t(), x)
+                if chunk_rows < rows:
+                    weight_sum = weight_sum.to(accumulate_dtype)
+            elif weight_sum.dtype == x.dtype:
+                weight_sum.addmm_(logits.t(), x)
+            else:
+                weight_sum.add_(torch.mm(logits.t(), x))
+        if want_bias:
+            part = logits.sum(0, dtype=accumulate_dtype)
+            bias_sum = part if bias_sum is None else bias_sum.add_(part)
+    grad_weight = weight_sum.to(linear_weight.dtype) if weight_sum is not None else None
+    grad_bias = bias_sum.to(linear_bias.dtype) if bias_sum is not None else None
+    return grad_input, grad_weight, grad_bias
+
+
+def _stats(rows, dtype, device, separate=False):
+    """(loss_rows, lse, row_weight): one (3, M) allocation, or three (a custom op's outputs must not alias)."""
+    if separate:
+        return tuple(torch.empty(rows, dtype=dtype, device=device) for _ in range(3))
+    return tuple(torch.empty((3, rows), dtype=dtype, device=device).unbind())
+
+
+def _forward(input2d, linear_weight, linear_bias, target, weight, options, want, separate=False):
+    """The loss (reduced), every row's lse and, where ``want`` asks and the loss is reduced, the gradients of
+    input, linear_weight and linear_bias for an incoming gradient of 1."""
+    rows, dtype = input2d.shape[0], _stats_dtype(input2d.dtype)
+    stats = _stats(rows, dtype, input2d.device, separate)
+    denominator = grad_scale = None
+    with_grad = any(want) and options.reduction != "none"
+    if options.reduction == "mean":
+        denominator = _denominator(target, weight, options.ignore_index, linear_weight.shape[0], dtype)
+        if with_grad:
+            grad_scale = denominator.reciprocal().expand(rows)
+    elif with_grad:
+        grad_scale = _broadcast_ones(rows, dtype, input2d.device)
+    grads = _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, grad_scale=grad_scale,
+                        want=want, stats=stats)
+    loss_rows, lse, _ = stats
+    if options.reduction == "none":
+        loss = loss_rows
+    elif options.reduction == "sum":
+        loss = loss_rows.sum()
+    else:
+        loss = torch.div(loss_rows.sum(), denominator)
+    return loss, lse, grads
+
+
+def _per_row_factor(grad, dtype):
+    """A reduction="none" loss's incoming gradient as the kernel's grad_scale: (M,), contiguous or one value at
+    stride 0 (as ``loss.sum().backward()`` gives)."""
+    flat = grad.reshape(-1).to(dtype)
+    return flat if flat.is_contiguous() or not any(flat.stride()) else flat.contiguous()
+
+
+def _recompute(input2d, linear_weight, linear_bias, target, weight, options, want, grad, grad_lse):
+    """The backward's own chunk pass: the loss's gradient times ``grad`` per row (reduction="none"; None: no
+    gradient of the loss) plus the lse's gradient (``grad_lse``, or None)."""
+    dtype = _stats_dtype(input2d.dtype)
+    grad_scale = _per_row_factor(grad, dtype) if grad is not None else None
+    stats = _stats(input2d.shape[0], dtype, input2d.device) if grad_scale is not None else None
+    grad_lse = grad_lse.reshape(-1).to(dtype) if grad_lse is not None else None
+    return _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, grad_scale=grad_scale,
+                       grad_lse=grad_lse, want=want, stats=stats)
+
+
+def _add(grads, more):
+    return tuple(g if m is None else (m if g is None else g.add_(m)) for g, m in zip(grads, more))
+
+
+def _scale_in_place(grads, grad, backend):
+    """Every gradient *= the reduced loss's incoming gradient (0-d), by the backend's ``scale`` (which leaves
+    them untouched, without a host synchronisation, where that gradient is exactly 1)."""
+    factor = grad.reshape(1)
+    scale = get_backend(backend).kernels("cross_entropy").scale
+    for g in grads:
+        if g is not None:
+            scale(g.view(-1, g.shape[-1]), factor)
+    return grads
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input2d, linear_weight, linear_bias, target, weight, options, want, return_lse):
+        loss, lse, grads = _forward(input2d, linear_weight, linear_bias, target, weight, options, want)
+        ctx.options, ctx.want, ctx.grads = options, want, grads
+        ctx.set_materialize_grads(False)
+        if options.reduction == "none" or return_lse:
+            ctx.save_for_backward(input2d, linear_weight, linear_bias, target, weight)
+        return (loss, lse) if return_lse else loss
+
+    @staticmethod
+    def backward(ctx, grad, grad_lse=None):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        options = ctx.options
+        if options.reduction == "none":
+            grads = _recompute(*ctx.saved_tensors, options, ctx.want, grad, grad_lse)
+        else:
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:
+                raise RuntimeError(_SECOND_BACKWARD)
+            grads = _scale_in_place(grads, grad, options.backend) if grad is not None else (None, None, None)
+            if grad_lse is not None:
+                grads = _add(grads, _recompute(*ctx.saved_tensors, options, ctx.want, None, grad_lse))
+        return (*grads, None, None, None, None, None)
+
+
+# -- torch.library ops, used under torch.compile: the whole chunk loop is one op (forward: loss, lse and, for a
+# reduced loss, the three gradients; backward: the recomputing pass), the incoming gradient applied by a torch
+# multiplication (one pass over each gradient, where the eager path skips a gradient of 1)
+
+
+def _options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend, chunk_rows):
+    return _Options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend, chunk_rows)
+
+
+def _placeholder(grad, like):
+    return grad if grad is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("multisoft::linear_cross_entropy_forward", mutates_args=())
+def linear_cross_entropy_forward_op(
+        input2d: torch.Tensor, linear_weight: torch.Tensor, linear_bias: Optional[torch.Tensor],
+        target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
+        softcap: float, lse_square_scale: float, reduction: str, backend: str, chunk_rows: int, want_input: bool,
+        want_weight: bool, want_bias: bool, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend, chunk_rows)
+    loss, lse, grads = _forward(input2d, linear_weight, linear_bias, target, weight, options,
+                                (want_input, want_weight, want_bias), separate=True)
+    return loss, lse, *(_placeholder(g, input2d) for g in grads)
+
+
+def _fake_grads(input2d, linear_weight, linear_bias, want):
+    likes = (input2d, linear_weight, linear_bias)
+    return tuple(torch.empty_like(like) if wanted else input2d.new_empty(0) for like, wanted in zip(likes, want))
+
+
+@linear_cross_entropy_forward_op.register_fake
+def _(input2d, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing, softcap,
+      lse_square_scale, reduction, backend, chunk_rows, want_input, want_weight, want_bias, return_lse):
+    rows, dtype = input2d.shape[0], _stats_dtype(input2d.dtype)
+    loss = input2d.new_empty(rows if reduction == "none" else (), dtype=dtype)
+    want = (want_input, want_weight, want_bias) if reduction != "none" else (False, False, False)
+    return loss, input2d.new_empty(rows, dtype=dtype), *_fake_grads(input2d, linear_weight, linear_bias, want)
+
+
+@torch.library.custom_op("multisoft::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward_op(
+        input2d: torch.Tensor, linear_weight: torch.Tensor, linear_bias: Optional[torch.Tensor],
+        target: torch.Tensor, weight: Optional[torch.Tensor], grad: Optional[torch.Tensor],
+        grad_lse: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
+        lse_square_scale: float, backend: str, chunk_rows: int, want_input: bool, want_weight: bool,
+        want_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _options(ignore_index, label_smoothing, softcap, lse_square_scale, "none", backend, chunk_rows)
+    grads = _recompute(input2d, linear_weight, linear_bias, target, weight, options,
+                       (want_input, want_weight, want_bias), grad, grad_lse)
+    return tuple(_placeholder(g, input2d) for g in grads)
+
+
+@linear_cross_entropy_backward_op.register_fake
+def _(input2d, linear_weight, linear_bias, target, weight, grad, grad_lse, ignore_index, label_smoothing, softcap,
+      lse_square_scale, backend, chunk_rows, want_input, want_weight, want_bias):
+    return _fake_grads(input2d, linear_weight, linear_bias, (want_input, want_weight, want_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    (input2d, linear_weight, linear_bias, target, weight, ctx.ignore_index, ctx.label_smoothing, ctx.softcap,
+     ctx.lse_square_scale, ctx.reduction, ctx.backend, ctx.chunk_rows, *want, ctx.return_lse) = inputs
+    ctx.want = tuple(want)
+    ctx.save_for_backward(input2d, linear_weight, linear_bias, target, weight, *output[2:])
+
+
+def _op_backward(ctx, grad, grad_lse, *_grad_of_gradients):
+    input2d, linear_weight, linear_bias, target, weight, *saved = ctx.saved_tensors
+    arguments = (ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.lse_square_scale, ctx.backend,
+                 ctx.chunk_rows, *ctx.want)
+    grad_lse = grad_lse if ctx.return_lse else None
+    if ctx.reduction == "none":
+        grads = linear_cross_entropy_backward_op(input2d, linear_weight, linear_bias, target, weight, grad,
+                                                 grad_lse, *arguments)
+    else:
+        grads = tuple(g * grad.to(g.dtype) for g in saved)
+        if grad_lse is not None:
+            more = linear_cross_entropy_backward_op(input2d, linear_weight, linear_bias, target, weight, None,
+                                                    grad_lse, *arguments)
+            grads = tuple(g + m for g, m in zip(grads, more))
+    grads = tuple(g if wanted else None for g, wanted in zip(grads, ctx.want))
+    return (*grads, None, None, None, None, None, None, None, None, None, None, None, None, None)
+
+
+linear_cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# -- the public function
+
+
+def _check(input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
+           lse_square_scale, softcap, return_lse, chunk_size):
+    """Validates the arguments; returns (label_smoothing, lse_square_scale, softcap as floats, 0.0 for none)."""
+    _validate.floating(input, "input")
+    _validate.floating(linear_weight, "linear_weight")
+    _validate.tensor(target, "target")
+    if linear_bias is not None:
+        _validate.floating(linear_bias, "linear_bias")
+    if input.ndim not in (2, 3):
+        raise ValueError(f"input must have shape (M, H) or (B, T, H), got {tuple(input.shape)}")
+    hidden = input.shape[-1]
+    if linear_weight.ndim != 2 or linear_weight.shape[1] != hidden:
+        raise ValueError(f"linear_weight must have shape (V, {hidden}) for input of shape {tuple(input.shape)}, "
+                         f"got {tuple(linear_weight.shape)}")
+    classes = linear_weight.shape[0]
+    if linear_weight.dtype != input.dtype:
+        raise TypeError(f"linear_weight must have the input's dtype {input.dtype}, got {linear_weight.dtype}")
+    if linear_bias is not None:
+        if linear_bias.shape != (classes,):
+            raise ValueError(f"linear_bias must have shape ({classes},), one per row of linear_weight, got "
+                             f"{tuple(linear_bias.shape)}")
+        if linear_bias.dtype != input.dtype:
+            raise TypeError(f"linear_bias must have the input's dtype {input.dtype}, got {linear_bias.dtype}")
+    if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must hold class indices as int64 or int32 (linear_cross_entropy takes no "
+                        f"class-probability targets), got {target.dtype}")
+    if target.shape != input.shape[:-1]:
+        raise ValueError(f"target must have shape {tuple(input.shape[:-1])} for input of shape "
+                         f"{tuple(input.shape)}, got {tuple(target.shape)}")
+    if classes == 0 and target.numel() > 0:
+        raise ValueError("linear_weight has no rows (no classes): there is nothing to predict from")
+    _validate.same_device(input, "input", linear_weight=linear_weight, linear_bias=linear_bias, target=target,
+                          weight=weight)
+    if chunk_size is not None and _validate.integer(chunk_size, "chunk_size") < 1:
+        raise ValueError(f"chunk_size must be a number of rows >= 1, or None for the default; got {chunk_size}")
+    # the options as multisoft.cross_entropy checks them, against logits of the right shape that take no memory
+    logits_shape = torch.empty((), dtype=input.dtype, device=input.device).expand(target.numel(), classes)
+    _, label_smoothing, lse_square_scale, softcap, _ = _check_cross_entropy(
+        logits_shape, target.reshape(-1), weight, ignore_index, reduction, label_smoothing, lse_square_scale,
+        softcap, return_lse, False)
+    return label_smoothing, lse_square_scale, softcap
+
+
+def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                         linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                         reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                         lse_square_scale: float = 0.0, softcap: float | None = None, return_lse: bool = False,
+                         backend: str | None = None, chunk_size: int | None = None):
+    """``multisoft.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` without the logits.
+
+    ``input`` is (M, H) or (B, T, H) hidden states, ``linear_weight`` (V, H) and
+    ``linear_bias`` (V,) or None, of the input's dtype and device; ``target``
+    (M,) or (B, T) class indices (int64 or int32). ``weight``, ``reduction``,
+    ``ignore_index``, ``label_smoothing``, ``lse_square_scale`` (z-loss),
+    ``softcap`` and ``return_lse`` are those of ``multisoft.cross_entropy``
+    (the loss of 16-bit inputs is float32).
+
+    The logits are computed ``chunk_size`` rows at a time (default: an eighth
+    of the rows or 256 MiB of logits, whichever is fewer rows, but at least 1024
+    rows) by torch's matmul, and each chunk's loss and gradient by ``backend``'s
+    cross-entropy kernel in place of its logits; the gradients of ``input``,
+    ``linear_weight`` and ``linear_bias`` are accumulated chunk by chunk. A
+    reduced loss computes them in the forward (when any of the three requires
+    grad) and keeps only them until the backward; ``reduction="none"`` computes
+    them in the backward, computing the logits again (one more matmul). Peak
+    memory beyond the gradients: one chunk of logits (plus the backend's
+    workspace) instead of all M x V logits and their gradient. As with
+    ``multisoft.cross_entropy``, the graph can be differentiated once for a
+    reduced loss, and not twice over (``create_graph=True`` raises).
+    """
+    label_smoothing, lse_square_scale, softcap = _check(
+        input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
+        lse_square_scale, softcap, return_lse, chunk_size)
+    backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend))
+    input2d = input.reshape(-1, input.shape[-1])
+    flat_target = target.reshape(-1).contiguous()
+    rows, classes = input2d.shape[0], linear_weight.shape[0]
+    if rows == 0:
+        return cross_entropy(F.linear(input2d, linear_weight, linear_bias), flat_target, weight, ignore_index,
+                             reduction, label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap or None,
+                             return_lse=return_lse, backend=backend)
+    input2d = input2d.contiguous()
+    if weight is not None:
+        weight = weight.to(_stats_dtype(input.dtype)).contiguous()
+    chunk_rows = chunk_size if chunk_size is not None else default_chunk_rows(rows, classes, input.element_size())
+    options = _Options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend,
+                       min(chunk_rows, rows))
+    grad_enabled = torch.is_grad_enabled()
+    want = tuple(bool(grad_enabled and t is not None and t.requires_grad)
+                 for t in (input2d, linear_weight, linear_bias))
+    if torch.compiler.is_compiling():
+        loss, lse, *_ = linear_cross_entropy_forward_op(
+            input2d, linear_weight, linear_bias, flat_target, weight, ignore_index, label_smoothing, softcap,
+            lse_square_scale, reduction, backend, options.chunk_rows, *want, return_lse)
+    elif any(want):
+        result = _LinearCrossEntropy.apply(input2d, linear_weight, linear_bias, flat_target, weight, options, want,
+                                           return_lse)
+        loss, lse = result if return_lse else (result, None)
+    else:
+        loss, lse, _ = _forward(input2d, linear_weight, linear_bias, flat_target, weight, options, want)
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    if not return_lse:
+        return loss
+    return loss, lse.reshape(target.shape)
