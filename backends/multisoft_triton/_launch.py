@@ -53,6 +53,7 @@ def warps_for(elements):
 # to the same kernel, so the cached one is the kernel Triton would have launched.
 _ready: dict[tuple, tuple] = {}
 _DIRECT = not simulated()
+_NO_KEY = object()   # an argument `launch` cannot key: such a call always goes through triton
 
 
 def _argument_key(value):
@@ -65,9 +66,6 @@ def _argument_key(value):
     if isinstance(value, float):
         return float
     return None if value is None else _NO_KEY
-
-
-_NO_KEY = object()
 
 
 def launch(kernel, grid, *args, **kwargs):
