@@ -201,6 +201,54 @@ def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend):
     assert_close(loss[valid], expected, torch.float32, "valid rows")
 
 
+# -- a NaN anywhere in a row
+
+NAN_SHAPES = [(37, 37), (16, 1000), (4, 70_000)]
+
+
+def _nan_rows(shape, dtype) -> torch.Tensor:
+    """Random rows; every other row holds one NaN, its column moving across the row from one such row to the
+    next (so that it lands in a different thread's share, beside values, padding or nothing else); the last row
+    is -inf but for one NaN."""
+    rows, cols = shape
+    x = torch.randn(shape, device=DEVICE) * 3
+    nan_rows = torch.arange(0, rows - 1, 2)
+    x[nan_rows, (nan_rows * 7919 + nan_rows // 2) % cols] = float("nan")
+    x[-1] = -float("inf")
+    x[-1, cols // 3] = float("nan")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("shape", NAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@on_each_backend
+def test_a_nan_anywhere_in_a_row_makes_the_row_nan(backend, dtype, shape):
+    """softmax, log_softmax and cross-entropy (loss and gradient) of a row holding a NaN are NaN throughout, as
+    torch's are, wherever in the row the NaN sits; the other rows are unharmed."""
+    _skip_big(backend, shape[0] * shape[1])
+    x = _nan_rows(shape, dtype)
+    for log in (False, True):
+        name = "log_softmax" if log else "softmax"
+        op = multisoft.log_softmax if log else multisoft.softmax
+        leaf = x.clone().requires_grad_()
+        y = op(leaf, -1, backend=backend)
+        assert_close(y, reference_softmax(x, -1, log), dtype, f"{name} forward")
+        dy = torch.randn(shape, device=DEVICE).to(dtype)
+        (dx,) = torch.autograd.grad(y, leaf, dy)
+        assert_close(dx, reference_softmax_backward(y, dy, -1, log), dtype, f"{name} backward",
+                     softmax_backward_magnitude(y, dy, -1, log))
+    target = torch.randint(0, shape[1], (shape[0],), device=DEVICE)
+    leaf = x.clone().requires_grad_()
+    loss = multisoft.cross_entropy(leaf, target, reduction="none", backend=backend)
+    expected_leaf = x.detach().double().requires_grad_()
+    expected = reference_cross_entropy(expected_leaf, target, reduction="none")
+    assert_close(loss, expected, loss.dtype, "cross_entropy loss")
+    grad_loss = torch.rand(shape[0], device=DEVICE) + 0.5
+    (gradient,) = torch.autograd.grad(loss, leaf, grad_loss)
+    (expected_gradient,) = torch.autograd.grad(expected, expected_leaf, grad_loss.double())
+    assert_close(gradient, expected_gradient, dtype, "cross_entropy gradient")
+
+
 # -- block-sparse softmax
 
 

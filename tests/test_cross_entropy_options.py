@@ -171,7 +171,8 @@ def test_z_loss_with_ignore_index_and_mean(backend, dtype, weighted):
     logits64 = logits.detach().double().requires_grad_()
     neg_log_p, lse = _neg_log_p(logits64)
     valid = target != -100
-    w_t = weight.double()[target[valid]] if weighted else torch.ones(int(valid.sum()), dtype=torch.float64)
+    w_t = weight.double()[target[valid]] if weighted else torch.ones(int(valid.sum()), dtype=torch.float64,
+                                                                     device=logits.device)
     nll = neg_log_p[valid].gather(1, target[valid].unsqueeze(1)).squeeze(1)
     expected = ((w_t * nll).sum() + s * lse[valid].square().sum()) / w_t.sum()
     assert_close(loss, expected, dtype, "loss")

@@ -45,6 +45,14 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 __device__ __forceinline__ float exp_diff(float x, float m) { return exp2_approx((x - m) * 1.4426950408889634f); }
 
+// The larger of a and b, NaN where either is NaN (fmaxf passes a NaN over): a row's max that carries a NaN
+// makes every later step of the row NaN, as torch's softmax and cross-entropy are, wherever the NaN sits.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
 // exp(x - m) for the values x of a T tensor and one m that is one of them (their max), for many x. 16-bit
 // values take one FFMA and ex2: 2^(x * log2(e) - shift), shift = m * log2(e) rounded. The rounding's residual
 // (exact, from an FMA; below 1/16 while |m| < 2^20) is a factor common to every term, taken out once by
@@ -151,18 +159,18 @@ struct Tile {
         }
     }
     __device__ static __forceinline__ void set(Regs& r, int e, float f) { put_bits(r, e, Elem<T>::bits(f)); }
-    // The largest value held (16-bit pairs compared as they are, without widening).
+    // The largest value held, NaN if any is (16-bit pairs compared as they are, without widening).
     __device__ static __forceinline__ float max_value(const Regs& r) {
         if constexpr (PER_WORD == 1) {
             float m = __uint_as_float(r.w[0]);
 #pragma unroll
-            for (int i = 1; i < VPT * 4; ++i) m = fmaxf(m, __uint_as_float(r.w[i]));
+            for (int i = 1; i < VPT * 4; ++i) m = max_nan(m, __uint_as_float(r.w[i]));
             return m;
         } else {
             u32 m = r.w[0];
 #pragma unroll
             for (int i = 1; i < VPT * 4; ++i) m = max_pairs<T>(m, r.w[i]);
-            return fmaxf(Elem<T>::get(m, 0), Elem<T>::get(m, 1));
+            return max_nan(Elem<T>::get(m, 0), Elem<T>::get(m, 1));
         }
     }
     // Packs all EPT values at once (no read of the previous contents).
@@ -251,7 +259,7 @@ __device__ __forceinline__ Stats stats_empty() { return Stats{-MS_INF, 0.f, 0.f,
 
 __device__ __forceinline__ Stats stats_combine(Stats p, Stats q) {
     Stats r;
-    r.m = fmaxf(p.m, q.m);
+    r.m = max_nan(p.m, q.m);
     r.s = r.m == -MS_INF ? p.s + q.s : p.s * exp_diff(p.m, r.m) + q.s * exp_diff(q.m, r.m);
     r.a = p.a + q.a;
     r.b = p.b + q.b;
@@ -260,7 +268,7 @@ __device__ __forceinline__ Stats stats_combine(Stats p, Stats q) {
 
 // Moves the running max to at least `new_max`, rescaling the sum.
 __device__ __forceinline__ Stats stats_shift(Stats p, float new_max) {
-    float m = fmaxf(p.m, new_max);
+    float m = max_nan(p.m, new_max);
     p.s = m == -MS_INF ? p.s : p.s * exp_diff(p.m, m);
     p.m = m;
     return p;

@@ -88,7 +88,6 @@ __device__ __forceinline__ void ce_rows(const CeArgs<T, TI>& a) {
             }
             const float tile_max = TL::max_value(v);  // u is an increasing function of x
             st = stats_shift(st, CAP ? a.softcap * tanhf(tile_max * inv_cap) : tile_max);
-            if (tile_max != tile_max) st.s = MS_NAN;  // a NaN logit makes the row NaN (stats_shift's fmaxf drops it)
             if (st.m != -MS_INF) {
                 const Exp ex(st.m);
                 float acc = 0.f;

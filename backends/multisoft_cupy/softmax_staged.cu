@@ -52,13 +52,13 @@ __device__ __forceinline__ float staged_max(const uint4* xs, int vectors, int la
             const uint4 q = xs[i];
             m = max_pairs<T>(m, max_pairs<T>(max_pairs<T>(q.x, q.y), max_pairs<T>(q.z, q.w)));
         }
-        return fmaxf(Elem<T>::get(m, 0), Elem<T>::get(m, 1));
+        return max_nan(Elem<T>::get(m, 0), Elem<T>::get(m, 1));
     } else {
         float m = -MS_INF;
         for (int i = lane; i < vectors; i += TPR) {
             const auto r = S::regs(xs[i]);
 #pragma unroll
-            for (int e = 0; e < S::VEC; ++e) m = fmaxf(m, S::V::get(r, e));
+            for (int e = 0; e < S::VEC; ++e) m = max_nan(m, S::V::get(r, e));
         }
         return m;
     }
