@@ -258,7 +258,7 @@ def test_second_and_double_backward_raise():
 def test_torch_compile_fullgraph(reduction):
     """torch.compile(fullgraph=True) (aot_eager: the custom ops run as in eager) gives the float64 loss and
     gradients, with every option and a gradient through lse."""
-    weight = torch.rand(CLASSES) + 0.5
+    weight = torch.rand(CLASSES, device=DEVICE) + 0.5
     options = dict(weight=weight, reduction=reduction, ignore_index=3, label_smoothing=0.1, softcap=5.0,
                    lse_square_scale=0.01, return_lse=True)
 
@@ -282,7 +282,7 @@ def test_torch_compile_fullgraph(reduction):
 
 
 def test_nn_module():
-    weight = torch.rand(CLASSES) + 0.5
+    weight = torch.rand(CLASSES, device=DEVICE) + 0.5
     module = multisoft.nn.LinearCrossEntropyLoss(weight, ignore_index=2, label_smoothing=0.1, softcap=4.0,
                                                  lse_square_scale=0.01, backend="torch", chunk_size=3)
     assert "chunk_size=3" in repr(module) and "softcap=4.0" in repr(module)
