@@ -29,11 +29,13 @@ row): the logits' matmul twice, four matmuls of M·V·H in all instead of three.
 A gradient through a returned lse is computed the same way, in the backward
 (``p * du/dx`` per chunk in float32 torch ops).
 
-The weight's gradient is accumulated over the chunks in float32 for 16-bit
-weights (each chunk's product rounded once to the weight's dtype by the matmul,
-then added in float32, the sum rounded once at the end), in the weight's dtype
-otherwise; one chunk is a single matmul, as ``F.linear``'s backward computes it.
-The bias's gradient likewise (row sums in float32).
+The weight's gradient is accumulated over the chunks in the weight's dtype by
+``addmm_`` (cuBLAS adds each chunk's product to it in float32 and rounds once a
+chunk): a float32 copy of a 16-bit V x H gradient would cost more memory than
+the chunk of logits and a pass over it a chunk (docs/tuning.md). With k chunks a
+16-bit weight's gradient is rounded k times instead of once; one chunk is a
+single matmul, as ``F.linear``'s backward computes it. The bias's gradient is
+summed in float32 (it is only V values).
 """
 
 from __future__ import annotations
@@ -123,8 +125,6 @@ def _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, *,
         if want_weight:
             if weight_sum is None:
                 weight_sum = torch.mm(logits.t(), x)
-                if chunk_rows < rows:
-                    weight_sum = weight_sum.to(accumulate_dtype)
             elif weight_sum.dtype == x.dtype:
                 weight_sum.addmm_(logits.t(), x)
             else:
