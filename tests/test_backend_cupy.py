@@ -940,7 +940,7 @@ def test_cross_entropy_gradient_of_a_slice_on_long_rows(dtype):
         m = u.max(1).values
         row_max_sum = torch.stack([m, torch.exp(u - m[:, None]).sum(1)]).float()
         row_max_sum[1, 4] = float("nan")
-        storage = torch.full((rows + 1) * classes + 1, 7.0, device=_device(), dtype=dtype)
+        storage = torch.full(((rows + 1) * classes + 1,), 7.0, device=_device(), dtype=dtype)
         logits = (storage[1:] if unaligned else storage[:-1])[:rows * classes].view(rows, classes)
         logits.copy_(wide[:, 10:10 + classes])
         original = logits.clone()
