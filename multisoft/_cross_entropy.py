@@ -17,6 +17,7 @@ kernels for them.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -231,10 +232,27 @@ def _op_backward(ctx, grad, grad_lse, _grad_buffer):
 cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _check(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-           return_lse, inplace_backward):
+def check_classes(classes, logits, target):
+    """Rows to predict need classes to predict them from."""
+    if classes == 0 and target.numel() > 0:
+        raise ValueError(f"logits has no classes (shape {tuple(logits.shape)}): there is nothing to predict from")
+
+
+def check_weight(weight, classes, logits):
+    """``weight``: None, or one floating value per class on the logits' device."""
+    if weight is not None:
+        _validate.floating(weight, "weight")
+        if weight.shape != (classes,):
+            raise ValueError(f"weight must have shape ({classes},), one per class, got {tuple(weight.shape)}")
+        _validate.same_device(logits, "logits", weight=weight)
+
+
+def validate_arguments(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                       return_lse, inplace_backward, sliced=False):
     """Validates the arguments; returns (number of classes, label_smoothing, lse_square_scale and softcap as
-    floats, softcap 0.0 for none, probability targets?)."""
+    floats, softcap 0.0 for none, probability targets?). With ``sliced`` the logits hold a slice of the classes:
+    the number of classes and ``weight`` are left to ``check_classes`` and ``check_weight`` once the whole number
+    is known."""
     _validate.floating(logits, "logits")
     _validate.tensor(target, "target")
     if logits.ndim == 0:
@@ -255,12 +273,9 @@ def _check(logits, target, weight, ignore_index, reduction, label_smoothing, lse
         if target.shape != expected:
             raise ValueError(f"target must have shape {tuple(expected)} for logits of shape "
                              f"{tuple(logits.shape)}, got {tuple(target.shape)}")
-    if classes == 0 and target.numel() > 0:
-        raise ValueError(f"logits has no classes (shape {tuple(logits.shape)}): there is nothing to predict from")
-    if weight is not None:
-        _validate.floating(weight, "weight")
-        if weight.shape != (classes,):
-            raise ValueError(f"weight must have shape ({classes},), one per class, got {tuple(weight.shape)}")
+    if not sliced:
+        check_classes(classes, logits, target)
+        check_weight(weight, classes, logits)
     _validate.same_device(logits, "logits", target=target, weight=weight)
     _validate.integer(ignore_index, "ignore_index")
     _validate.one_of(reduction, REDUCTIONS, "reduction")
@@ -284,7 +299,7 @@ def _check(logits, target, weight, ignore_index, reduction, label_smoothing, lse
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
                   lse_square_scale: float = 0.0, softcap: float | None = None, return_lse: bool = False,
-                  backend: str | None = None, inplace_backward: bool = False):
+                  backend: str | None = None, inplace_backward: bool = False, process_group=None):
     """Cross-entropy between ``logits`` and ``target``, like ``F.cross_entropy``, with the options of LLM training.
 
     ``logits`` is (C,), (N, C) or (N, C, d1, ...). ``target`` holds class
@@ -319,8 +334,31 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     which then holds the gradient. Eager mode and class-index targets only: under
     ``torch.compile`` the gradient gets its own buffer. A returned lse cannot be
     differentiated with it (the logits are gone).
+
+    ``process_group`` (a ``torch.distributed`` process group of P ranks):
+    vocabulary-parallel cross-entropy. ``logits`` is this rank's contiguous
+    slice of the classes, the ranks' slices in group-rank order (widths may
+    differ); ``target`` holds global class ids and ``weight`` (length V, all
+    the classes) is the same on every rank. Every rank gets the loss (and lse)
+    of the whole rows, and its slice of the gradient. The forward runs one
+    all-gather of 4 numbers a row; the backward communicates nothing. The
+    slices' widths are learned by one all-gather (and one host
+    synchronisation) the first time a (group, local width) pair is seen, and
+    cached: a group's slicing must then stay the same. Class-index targets
+    only. ``logits`` may instead be a DTensor sharded on its class dimension
+    over a 1-D device mesh (``Shard(1)``, or ``Shard(0)`` for (C,) logits),
+    as with torch's ``loss_parallel``: its local shard and the mesh's group
+    are used, and plain tensors are returned. Not traced by
+    ``torch.compile`` (it runs eagerly, a graph break; fullgraph=True fails).
     """
-    classes, label_smoothing, lse_square_scale, softcap, probabilities = _check(
+    if process_group is not None or _is_dtensor(logits):
+        from . import _vocab_parallel
+
+        return _vocab_parallel.cross_entropy(
+            logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale=lse_square_scale,
+            softcap=softcap, return_lse=return_lse, backend=backend, inplace_backward=inplace_backward,
+            process_group=process_group)
+    classes, label_smoothing, lse_square_scale, softcap, probabilities = validate_arguments(
         logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_lse,
         inplace_backward)
     backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend))
@@ -331,13 +369,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                                          lse_square_scale, backend)
         return (loss, lse) if return_lse else loss
     stats_dtype = _stats_dtype(logits.dtype)
-    if logits.ndim == 2:
-        rows_2d, flat_target = logits.contiguous(), target.contiguous()
-    elif logits.ndim == 1:
-        rows_2d, flat_target = logits.unsqueeze(0), target.reshape(1)
-    else:
-        rows_2d = logits.movedim(1, -1).reshape(-1, classes).contiguous()
-        flat_target = target.reshape(-1).contiguous()
+    rows_2d, flat_target = as_rows(logits, target)
     if weight is not None:
         weight = weight.to(stats_dtype).contiguous()
     if rows_2d.numel() == 0:
@@ -359,6 +391,21 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     if not return_lse:
         return loss
     return loss, lse.reshape(target.shape) if logits.ndim != 2 else lse
+
+
+def as_rows(logits, target):
+    """(logits as contiguous (rows, C), targets as contiguous (rows,)): the class dimension moved last."""
+    if logits.ndim == 2:
+        return logits.contiguous(), target.contiguous()
+    if logits.ndim == 1:
+        return logits.unsqueeze(0), target.reshape(1)
+    return logits.movedim(1, -1).reshape(-1, logits.shape[1]).contiguous(), target.reshape(-1).contiguous()
+
+
+def _is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing torch.distributed.tensor (none exists until it is)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _probability_targets(logits, target, weight, reduction, label_smoothing, softcap, lse_square_scale, backend):

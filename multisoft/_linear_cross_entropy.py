@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from . import _validate
 from ._cross_entropy import _broadcast_ones, _denominator, _lse_gradient, _stats_dtype, cross_entropy
-from ._cross_entropy import _check as _check_cross_entropy
+from ._cross_entropy import validate_arguments
 from ._registry import get_backend, resolve_name
 
 # A chunk's logits take at most CHUNK_BYTES (or an eighth of all the logits, if less), but a chunk has at least
@@ -356,7 +356,7 @@ def _check(input, linear_weight, target, linear_bias, weight, ignore_index, redu
         raise ValueError(f"chunk_size must be a number of rows >= 1, or None for the default; got {chunk_size}")
     # the options as multisoft.cross_entropy checks them, against logits of the right shape that take no memory
     logits_shape = torch.empty((), dtype=input.dtype, device=input.device).expand(target.numel(), classes)
-    _, label_smoothing, lse_square_scale, softcap, _ = _check_cross_entropy(
+    _, label_smoothing, lse_square_scale, softcap, _ = validate_arguments(
         logits_shape, target.reshape(-1), weight, ignore_index, reduction, label_smoothing, lse_square_scale,
         softcap, return_lse, False)
     return label_smoothing, lse_square_scale, softcap

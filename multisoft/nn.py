@@ -56,27 +56,30 @@ class CrossEntropyLoss(torch.nn.Module):
     ``.to(device)``. Keyword-only, as in ``multisoft.cross_entropy``:
     ``lse_square_scale`` (the z-loss), ``softcap``, ``return_lse`` (the module
     then returns ``(loss, lse)``), ``backend`` (the implementation for every
-    call) and ``inplace_backward`` (the forward overwrites the logits with their
-    gradient).
+    call), ``inplace_backward`` (the forward overwrites the logits with their
+    gradient) and ``process_group`` (vocabulary-parallel: the logits are this
+    rank's slice of the classes, ``weight`` all of them; see
+    ``multisoft.cross_entropy``).
     """
 
     def __init__(self, weight: torch.Tensor | None = None, size_average: bool | None = None,
                  ignore_index: int = -100, reduce: bool | None = None, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float | None = None,
-                 return_lse: bool = False, backend: str | None = None, inplace_backward: bool = False):
+                 return_lse: bool = False, backend: str | None = None, inplace_backward: bool = False,
+                 process_group=None):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = _legacy_reduction(size_average, reduce)
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.lse_square_scale, self.softcap, self.return_lse = lse_square_scale, softcap, return_lse
-        self.backend, self.inplace_backward = backend, inplace_backward
+        self.backend, self.inplace_backward, self.process_group = backend, inplace_backward, process_group
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor):
         return cross_entropy(logits, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
                              lse_square_scale=self.lse_square_scale, softcap=self.softcap,
                              return_lse=self.return_lse, backend=self.backend,
-                             inplace_backward=self.inplace_backward)
+                             inplace_backward=self.inplace_backward, process_group=self.process_group)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "

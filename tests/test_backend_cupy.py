@@ -235,6 +235,11 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     cross_entropy.forward(narrow, target.int(), None, *stats, narrow, torch.ones(1).expand(4), -100, 0.0, 30.0, 1e-4)
     cross_entropy.scale(x, torch.ones(1))
     cross_entropy.scale(x, torch.ones(4))
+    cross_entropy.forward(narrow, target, w[:100], *stats, None, None, -100, 0.1, 0.0, 0.0,
+                          row_stats=torch.empty(3, 4))
+    cross_entropy.gradient(x, target, w, torch.ones(2, 4), torch.ones(3, 4), x, 0.0)
+    cross_entropy.gradient(narrow, target.int(), None, torch.ones(2, 4), torch.ones(3, 4), torch.empty_like(narrow),
+                           2.0)
     monkeypatch.setattr(_tuning, "ce_fwd_config", lambda *args: _tuning.CE_FWD_CLUSTERS[0])
     cross_entropy.forward(x, target, w, *stats, torch.empty_like(x), torch.ones(4), -100, 0.1, 1e39, 0.0)
     layout = torch.ones(1, 2, 2, dtype=torch.long)
@@ -243,11 +248,14 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     for xb in (storage[:-1].view(1, lut.nnz, 16, 16), storage[1:].view(1, lut.nnz, 16, 16)):  # aligned, not
         blocksparse.forward(xb, torch.empty_like(xb), lut, 1.0, True)
         blocksparse.backward(xb, xb, torch.empty_like(xb), lut, 1.0)
-    assert [expr for _, expr, _ in calls[8:13]] == [
+    assert [expr for _, expr, _ in calls[8:16]] == [
         "ce_fwd<float, long long, false, false, 256, 1, 4>", "ce_fwd<float, int, true, true, 32, 4, 2>",
-        "ce_scale<float, 256, 4, 4>", "ce_scale<float, 256, 4, 4>",
+        "ce_scale<float, 256, 4, 4>", "ce_scale<float, 256, 4, 4>", "ce_fwd<float, long long, false, false, 32, 4, 2>",
+        "ce_gradient<float, long long, false, 256, 4, 4>", "ce_gradient<float, int, true, 256, 4, 4>",
         "ce_fwd_cluster<float, long long, true, false, 256, 4, 4>"]  # a softcap beyond float32: none
-    assert [expr.split("<")[0] for _, expr, _ in calls[13:]] == ["bs_fwd_staged", "bs_bwd", "bs_fwd", "bs_bwd"]
+    # the forward's row_stats pointer: null unless asked for
+    assert [bool(args[9]) for _, expr, args in calls[8:16] if expr.startswith("ce_fwd")] == [False, False, True, False]
+    assert [expr.split("<")[0] for _, expr, _ in calls[16:]] == ["bs_fwd_staged", "bs_bwd", "bs_fwd", "bs_bwd"]
     for source, expression, args in calls:
         params = _kernel_parameters(source, expression.split("<")[0])
         assert len(params) == len(args), expression
@@ -879,3 +887,113 @@ def test_cross_entropy_scale_reads_its_factor_on_the_device():
         original *= value
         torch.cuda.synchronize()
         assert torch.equal(buffer, original), value
+
+
+# ---- cross-entropy over a slice of the classes (vocabulary-parallel): row_stats and ce_gradient
+
+
+def test_cross_entropy_gradient_instances_are_compiled():
+    """Every ce_gradient instance gradient() can launch (each element type, index type, with and without a softcap)
+    is among the expressions tests/test_cuda_sources_compile.py compiles; its grid covers every tile and row
+    within the grid's limits."""
+    for ctype, index_type, softcap in itertools.product(_instances.CUDA_TYPES, _instances.INDEX_TYPES, (False, True)):
+        expression = _instances.ce_gradient_kernel(ctype, index_type, softcap, _tuning.CE_GRADIENT_CONFIG)
+        for cc in (80, 90):
+            assert expression in _instances.expressions(_instances.CROSS_ENTROPY_SOURCE, ctype, cc), expression
+    capacity = _tuning.CE_GRADIENT_CONFIG.capacity(2)
+    assert _tuning.ce_gradient_grid(5, 3 * capacity + 1, 2) == (4, 5, 1)
+    assert _tuning.ce_gradient_grid(100_000, 7, 4) == (1, _tuning.MAX_GRID_Y, 1)
+
+
+def slice_gradient_reference(logits, target, weight, row_max_sum, coefficients, softcap):
+    """(gradient, its terms' size) in float64, the contract's formula: du/dx * (a exp(u - m) / S - b [j == t] -
+    c w_j) with (m, S) as given (the whole row's) and no target term for a target outside [0, C)."""
+    x = logits.detach().double()
+    classes = x.shape[1]
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
+    m, total = row_max_sum.double()
+    a, b, c = coefficients.double()
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
+    is_target = (torch.arange(classes, device=x.device)[None, :] == target.long()[:, None]).double()
+    terms = (a[:, None] * torch.exp(u - m[:, None]) / total[:, None], b[:, None] * is_target, c[:, None] * w)
+    return du * (terms[0] - terms[1] - terms[2]), du.abs() * sum(term.abs() for term in terms)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cross_entropy_gradient_of_a_slice_on_long_rows(dtype):
+    """ce_gradient on rows of one to several of its tiles (and a part of one), aligned or not, in place or into a
+    buffer with a sentinel row after it; targets in the slice, outside it and ignore_index; the whole row's m and S
+    from a wider float64 row; a NaN statistic makes its row NaN."""
+    _, cross_entropy, _ = _kernels()
+    capacity, vec = _tuning.CE_GRADIENT_CONFIG.capacity(dtype.itemsize), 16 // dtype.itemsize
+    for classes, unaligned, weighted, softcap, in_place in (
+            (37, False, True, 0.0, False), (capacity, False, False, 5.0, True),
+            (3 * capacity + 5, False, True, 0.0, True), (2 * capacity + vec, True, True, 3.0, False),
+            (3 * capacity, True, False, 0.0, True)):
+        rows = 9
+        g = torch.Generator().manual_seed(classes)
+        wide = (torch.randn(rows, classes + 50, generator=g, dtype=torch.float64) * 3).to(dtype).double().to(_device())
+        wide[:, -1] += 6.0
+        u = softcap * torch.tanh(wide / softcap) if softcap else wide
+        m = u.max(1).values
+        row_max_sum = torch.stack([m, torch.exp(u - m[:, None]).sum(1)]).float()
+        row_max_sum[1, 4] = float("nan")
+        storage = torch.full(((rows + 1) * classes + 1,), 7.0, device=_device(), dtype=dtype)
+        logits = (storage[1:] if unaligned else storage[:-1])[:rows * classes].view(rows, classes)
+        logits.copy_(wide[:, 10:10 + classes])
+        original = logits.clone()
+        target = torch.tensor([0, classes - 1, classes // 2, -1, classes, -100, 2**40, 5, classes + 3],
+                              device=_device())
+        weight = (torch.rand(classes, generator=g) + 0.5).to(_device()) if weighted else None
+        coefficients = torch.rand(3, rows, generator=g).to(_device()) + torch.tensor([[0.5], [0.5], [0.0]],
+                                                                                     device=_device())
+        grad_storage = torch.full((rows + 1, classes), 7.0, device=_device(), dtype=dtype)
+        grad = logits if in_place else grad_storage[:rows]
+        cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
+        torch.cuda.synchronize()
+        label = f"{classes} classes unaligned={unaligned} softcap={softcap} in_place={in_place}"
+        expected, magnitude = slice_gradient_reference(original, target, weight, row_max_sum, coefficients, softcap)
+        assert_close(grad, expected, dtype, label, magnitude)
+        assert torch.isnan(grad[4]).all(), f"a NaN S: {label}"
+        written = storage[1:] if unaligned else storage[:-1]
+        assert (written[rows * classes:] == 7).all() and storage[0 if unaligned else -1] == 7, f"past: {label}"
+        if not in_place:
+            assert torch.equal(_bits(logits), _bits(original)), f"logits written: {label}"
+            assert (grad_storage[rows] == 7).all(), f"written past the last row: {label}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", _tuning.CE_FWD_CONFIGS, ids=str)
+def test_cross_entropy_row_stats_on_every_path(cfg, dtype, monkeypatch):
+    """forward(..., row_stats) on each forward configuration: each row's m, S and sum w u (0 without label
+    smoothing) against float64 (a NaN row, a row far from 0, ignored and invalid targets), and loss, lse,
+    row_weight and gradient bit for bit as without row_stats."""
+    _, cross_entropy, _ = _kernels()
+    _cross_entropy_path(cfg, monkeypatch)
+    capacity = cfg.capacity(dtype.itemsize)
+    for classes, options in itertools.product((37, 3 * capacity + 5), CE_OPTIONS[:2] + CE_OPTIONS[4:]):
+        weighted, eps, softcap, lse_square_scale, _ = options
+        logits, target = cross_entropy_inputs(9, classes, dtype, seed=classes)
+        weight = torch.rand(classes, device=_device()) + 0.5 if weighted else None
+        grad_scale = torch.rand(9, device=_device()) + 0.5
+        plain_grad, stats_grad = torch.empty_like(logits), torch.empty_like(logits)
+        plain = cross_entropy_call(cross_entropy, logits, target, weight, options, grad_scale, plain_grad)
+        row_stats = torch.full((3, 9), 12345.0, device=_device())
+        with_stats = torch.full((3, 9), float("nan"), device=_device())
+        cross_entropy.forward(logits, target, weight, *with_stats, stats_grad, grad_scale, -100, eps, softcap,
+                              lse_square_scale, row_stats=row_stats)
+        label = f"{classes} classes options={options}"
+        torch.testing.assert_close(with_stats, plain, rtol=0, atol=0, equal_nan=True, msg=label)
+        torch.testing.assert_close(stats_grad, plain_grad, rtol=0, atol=0, equal_nan=True, msg=label)
+        u = logits.double()
+        u = softcap * torch.tanh(u / softcap) if softcap else u
+        m = u.max(1).values
+        w = torch.ones(classes, dtype=torch.float64, device=_device()) if weight is None else weight.double()
+        weighted_sum = (w * u).sum(1) if eps else torch.zeros_like(m)
+        assert_close(row_stats[0], m, torch.float32, f"m {label}")
+        assert_close(row_stats[1], torch.exp(u - m[:, None]).sum(1), torch.float32, f"S {label}")
+        assert_close(row_stats[2], weighted_sum, torch.float32, f"sum w u {label}", (w * u).abs().sum(1))
+        assert torch.isnan(row_stats[:2, CE_NAN_ROW]).all(), label

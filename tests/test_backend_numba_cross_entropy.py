@@ -295,3 +295,92 @@ def test_vocabulary_sized_rows_on_the_gpu(dtype, classes):
     cross_entropy.scale(grad, factor)
     factor64 = factor.double()[:, None]
     assert_close(grad, expected[3] * factor64, dtype, "scaled by a factor a row", expected[4] * factor64.abs())
+
+
+# -- a slice of the classes (vocabulary-parallel): row_stats and gradient
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_stats_on_each_path(dtype, path, case, monkeypatch):
+    """forward(..., row_stats) cached and looping, with and without the gradient: each row's m, S and sum w u
+    (compensated; 0 without label smoothing) against float64, a NaN row among them; loss, lse, row_weight and the
+    gradient bit for bit as without row_stats."""
+    from multisoft_numba import cross_entropy
+    _force_path(monkeypatch, path)
+    classes, unaligned, options = CASES[case]
+    options = dict(options)
+    logits, target, weight = _inputs(classes, unaligned, options.pop("weighted"), dtype)
+    logits[4, 2] = float("nan")
+    rows = logits.shape[0]
+    grad_scale = torch.rand(rows, device=DEVICE) + 0.5
+    for with_grad in (False, True):
+        plain_grad, stats_grad = torch.full_like(logits, 7.0), torch.full_like(logits, 7.0)
+        plain = _run(logits, target, weight, plain_grad if with_grad else None, grad_scale if with_grad else None,
+                     options)
+        outputs = _outputs(rows)
+        row_stats = torch.full((3, rows), 12345.0, device=DEVICE)
+        cross_entropy.forward(logits, target, weight, *outputs, stats_grad if with_grad else None,
+                              grad_scale if with_grad else None, -100, options["label_smoothing"], options["softcap"],
+                              options["lse_square_scale"], row_stats=row_stats)
+        for name, value, expected in zip(("loss", "lse", "row_weight"), outputs, plain):
+            torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=name)
+        torch.testing.assert_close(stats_grad, plain_grad, rtol=0, atol=0, equal_nan=True)
+        u = logits.double()
+        u = options["softcap"] * torch.tanh(u / options["softcap"]) if options["softcap"] else u
+        m = u.max(1).values
+        w = torch.ones(classes, dtype=torch.float64, device=DEVICE) if weight is None else weight.double()
+        smoothing = options["label_smoothing"]
+        assert_close(row_stats[0], m, torch.float32, "m")
+        assert_close(row_stats[1], torch.exp(u - m[:, None]).sum(1), torch.float32, "S")
+        assert_close(row_stats[2], (w * u).sum(1) if smoothing else torch.zeros_like(m), torch.float32, "sum w u",
+                     (w * u).abs().sum(1))
+        assert torch.isnan(row_stats[:2, 4]).all()
+
+
+def slice_gradient_reference(logits, target, weight, row_max_sum, coefficients, softcap):
+    """(gradient, its terms' size) in float64: du/dx * (a exp(u - m) / S - b [j == t] - c w_j), (m, S) as given
+    (the whole row's), no target term for a target outside [0, C)."""
+    x = logits.detach().double()
+    classes = x.shape[1]
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
+    m, total = row_max_sum.double()
+    a, b, c = coefficients.double()
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
+    is_target = (torch.arange(classes, device=x.device)[None, :] == target.long()[:, None]).double()
+    terms = (a[:, None] * torch.exp(u - m[:, None]) / total[:, None], b[:, None] * is_target, c[:, None] * w)
+    return du * (terms[0] - terms[1] - terms[2]), du.abs() * sum(term.abs() for term in terms)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradient_of_a_slice_over_several_blocks(dtype, case, monkeypatch):
+    """gradient with 4 elements a thread and at most 4 threads a block: a row spread over several blocks (x), rows
+    over blocks (y); vectors or one element at a time (unaligned, odd rows); in place and into a new buffer; the
+    whole row's m and S from a wider float64 row; targets in the slice, outside it and ignore_index."""
+    from multisoft_numba import _tuning, cross_entropy
+    monkeypatch.setattr(_tuning, "CE_GRADIENT_UNROLL", 4)
+    monkeypatch.setattr(_tuning, "CE_GRADIENT_THREADS", 4)
+    classes, unaligned, options = CASES[case]
+    softcap, weighted = options["softcap"], options["weighted"]
+    rows = 5
+    wide = (torch.randn(rows, classes + 20, device=DEVICE, dtype=torch.float64) * 3).to(dtype).double()
+    wide[:, -1] += 5.0
+    u = softcap * torch.tanh(wide / softcap) if softcap else wide
+    m = u.max(1).values
+    row_max_sum = torch.stack([m, torch.exp(u - m[:, None]).sum(1)]).float()
+    target = torch.tensor([0, classes - 1, -1, classes, -100], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    coefficients = torch.rand(3, rows, device=DEVICE) + torch.tensor([[0.5], [0.5], [0.0]], device=DEVICE)
+    for in_place in (False, True):
+        logits = _inputs(classes, unaligned, False, dtype)[0]
+        logits.copy_(wide[:, 5:5 + classes])
+        original = logits.clone()
+        grad = logits if in_place else torch.full_like(logits, 7.0)
+        cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
+        expected, magnitude = slice_gradient_reference(original, target, weight, row_max_sum, coefficients, softcap)
+        assert_close(grad, expected, dtype, f"gradient in_place={in_place}", magnitude)
+        if not in_place:
+            assert torch.equal(logits, original), "the logits changed"

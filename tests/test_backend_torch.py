@@ -119,10 +119,23 @@ def test_reference_by_name_is_float64_rounded_once():
     assert torch.equal(loss, expected.float())
 
 
-def test_reference_still_raises_on_invalid_targets():
-    logits = torch.randn(3, 10, device=DEVICE)
-    with pytest.raises(ValueError, match="target"):
-        multisoft.cross_entropy(logits, torch.tensor([0, 10, 2], device=DEVICE), backend="reference")
+def test_reference_gives_nan_for_invalid_targets_and_float64_elsewhere():
+    """A target outside [0, C) that is not ignore_index gives its row a NaN loss and a NaN gradient row (the backend
+    contract: never an exception, which would need the targets read on the host); every other row is float64
+    torch's result rounded once, and so is its gradient (the losses' sum: the forward's gradient, scaled by 1)."""
+    logits = torch.randn(4, 10, device=DEVICE) * 3
+    target = torch.tensor([0, 10, -100, -1], device=DEVICE)
+    valid, invalid = [0, 2], [1, 3]
+    buffer = logits.clone().requires_grad_()
+    loss = multisoft.cross_entropy(buffer, target, reduction="none", backend="reference")
+    loss.sum().backward()
+    assert loss[invalid].isnan().all(), loss
+    assert buffer.grad[invalid].isnan().all(), buffer.grad[invalid]
+    logits64 = logits[valid].double().requires_grad_()
+    expected = F.cross_entropy(logits64, target[valid], reduction="none")
+    expected.sum().backward()
+    assert torch.equal(loss[valid], expected.float()), (loss[valid], expected)
+    assert torch.equal(buffer.grad[valid], logits64.grad.float())
 
 
 # -- torch computes 16-bit inputs in float32
@@ -132,7 +145,8 @@ def test_reference_still_raises_on_invalid_targets():
 def test_16_bit_rows_are_computed_in_float32(dtype):
     """70,000 equal logits: their float16 sum of exponentials (70,000) overflows float16's 65,504, and a bfloat16
     sum stops growing at 256 (a 1 added to 256 rounds away). Computed in float32 and rounded once, each result is
-    float64's rounded to the dtype."""
+    float64's rounded to the dtype; the cross-entropy loss is float32 for 16-bit logits (as under autocast), so it
+    is float64's rounded to float32, and its gradient float64's rounded to the logits' dtype."""
     columns = 70_000
     x = torch.full((2, columns), 3.0, device=DEVICE, dtype=dtype)
     x[1] = -2.0
@@ -143,10 +157,12 @@ def test_16_bit_rows_are_computed_in_float32(dtype):
     logits = x.clone().requires_grad_()
     target = torch.tensor([5, 60_000], device=DEVICE)
     loss = multisoft.cross_entropy(logits, target, reduction="none", backend="torch")
-    assert torch.equal(loss, torch.full((2,), math.log(columns), device=DEVICE).to(dtype)), loss
-    loss.sum().backward()
     logits64 = x.double().requires_grad_()
-    F.cross_entropy(logits64, target, reduction="none").sum().backward()
+    expected = F.cross_entropy(logits64, target, reduction="none")
+    assert torch.allclose(expected, torch.full((2,), math.log(columns), dtype=torch.float64, device=DEVICE))
+    assert loss.dtype == torch.float32 and torch.equal(loss, expected.float()), loss
+    loss.sum().backward()
+    expected.sum().backward()
     assert torch.equal(logits.grad, logits64.grad.to(dtype))
 
 
@@ -197,6 +213,10 @@ def _ce_case(dtype, rows=37, classes=1000):
 @pytest.mark.parametrize("dtype", DTYPES + (torch.float64,), ids=str)
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_cross_entropy_across_chunks(small_chunks, weighted, dtype, inplace):
+    """Loss and gradient of rows spread over many chunks against float64 torch. The forward computes the gradient:
+    with a gradient buffer of its own it leaves the logits as they are; in place it has overwritten them, after
+    the forward already, with the gradient of the losses' sum (reduction "none" scales no row), which the backward
+    then multiplies by the incoming gradient."""
     tolerance = dtype if dtype != torch.float64 else torch.float32
     logits, target, weight = _ce_case(dtype)
     kwargs = dict(weight=weight if weighted else None, label_smoothing=0.1, reduction="none")
@@ -205,7 +225,11 @@ def test_cross_entropy_across_chunks(small_chunks, weighted, dtype, inplace):
     logits64 = logits.double().requires_grad_()
     expected = F.cross_entropy(logits64, target, **{**kwargs, "weight": weight.double() if weighted else None})
     assert_close(loss, expected, tolerance, "loss")
-    assert torch.equal(buffer.detach(), logits), "the forward must leave the logits as they are"
+    if inplace:
+        (gradient_of_sum,) = torch.autograd.grad(expected.sum(), logits64, retain_graph=True)
+        assert_close(buffer.detach(), gradient_of_sum, tolerance, "gradient written over the logits by the forward")
+    else:
+        assert torch.equal(buffer.detach(), logits), "with a gradient buffer the forward leaves the logits as they are"
     grad_out = torch.rand(logits.shape[0], device=DEVICE) + 0.5
     loss.backward(grad_out.to(dtype))
     expected.backward(grad_out.to(dtype).double())
@@ -249,7 +273,9 @@ def _peak_bytes_allocated(run) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("inplace", [False, True], ids=["new-gradient", "inplace"])
 def test_cross_entropy_allocates_nothing_of_the_logits_size_but_the_gradient(small_chunks, inplace, dtype):
-    """The forward holds a few float32 chunks at most, the backward those and the gradient (none in place)."""
+    """The forward computes the gradient in its pass over the logits: it holds the gradient (none in place) and a
+    few float32 chunks at most. The backward only scales that gradient where it lies: it holds no more than a few
+    chunks' worth either (in fact nothing of the logits' size)."""
     logits, target, weight = _ce_case(dtype, rows=64, classes=4096)
     buffer = logits.clone().requires_grad_()
     losses = []
@@ -259,26 +285,47 @@ def test_cross_entropy_allocates_nothing_of_the_logits_size_but_the_gradient(sma
     logits_bytes = logits.numel() * logits.element_size()
     gradient = 0 if inplace else logits_bytes
     chunks = 8 * 4 * 4096 + 64 * 1024  # a chunk is one row of 4096 (CHUNK elements round down to one row)
-    assert chunks < logits_bytes / 2 and forward_peak <= chunks, forward_peak
-    assert backward_peak <= gradient + chunks, (backward_peak, gradient)
+    assert chunks < logits_bytes / 2 and forward_peak <= gradient + chunks, (forward_peak, gradient)
+    assert backward_peak <= chunks, backward_peak
     assert (buffer.grad.data_ptr() == buffer.data_ptr()) == inplace
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_invalid_targets_give_nan_without_a_host_synchronisation(small_chunks, monkeypatch, reduction):
     """Targets outside [0, C) that are not ignore_index: NaN loss and gradient rows, the others right; no value
-    is read back to the host (every way a tensor's value reaches Python raises)."""
+    is read back to the host (every way a tensor's value reaches Python raises), but for the one read the backend
+    contract grants a backend whose tensors are on the CPU: ``scale``'s one-element factor, read with ``item`` to
+    return at once when it is exactly 1. A factor on any other device is never read."""
     classes = 1000
     logits = torch.randn(9, classes, device=DEVICE, requires_grad=True)
     target = torch.tensor([0, classes, -1, 10**9, -(10**9), 5, -100, 7, classes + 3], device=DEVICE)
     valid, invalid = [0, 5, 6, 7], [1, 2, 3, 4, 8]
+    kernels = _registry.get_backend("torch").kernels("cross_entropy")
+    scale = kernels.scale
+    readable = []  # the factor that the running scale may read on the host, or None: nothing may be read
 
-    def no_sync(*args, **kwargs):
-        raise AssertionError("the torch backend read a tensor's value on the host")
+    def scale_whose_cpu_factor_may_be_read(grad_logits, factor):
+        on_cpu = factor.device.type == "cpu" and factor.shape == (1,)
+        readable.append(factor if on_cpu else None)
+        try:
+            return scale(grad_logits, factor)
+        finally:
+            readable.pop()
+
+    def no_sync(method):
+        read = getattr(torch.Tensor, method)
+
+        def refuse(tensor, *args, **kwargs):
+            if method == "item" and readable and tensor is readable[-1]:
+                return read(tensor, *args, **kwargs)
+            raise AssertionError(f"the torch backend read a tensor's value on the host ({method})")
+
+        return refuse
 
     with monkeypatch.context() as patch:
+        patch.setattr(kernels, "scale", scale_whose_cpu_factor_may_be_read)
         for method in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
-            patch.setattr(torch.Tensor, method, no_sync)
+            patch.setattr(torch.Tensor, method, no_sync(method))
         if ON_GPU:
             torch.cuda.set_sync_debug_mode("error")
         try:

@@ -701,3 +701,136 @@ def test_repeated_launches_follow_each_call_specialisation():
         out = torch.empty_like(x)
         softmax.forward(x, out, False)
         assert_close(out, reference_softmax(x, -1, False), dtype, f"softmax of {n} columns at offset {offset}")
+
+
+# -- cross-entropy over a slice of the classes (vocabulary-parallel): row_stats and gradient
+
+
+def _row_stats_contract(logits, weight, smoothing, softcap):
+    """(m, S, sum_j w_j u_j, its terms' size) of every row in float64; S 0 where m is -inf; the sum 0 without
+    label smoothing."""
+    u = logits.detach().double().cpu()
+    u = softcap * torch.tanh(u / softcap) if softcap else u
+    m = u.max(1).values
+    total = torch.exp(u - torch.where(m == -float("inf"), 0.0, m)[:, None]).sum(1)
+    w = torch.ones(u.shape[1], dtype=torch.float64) if weight is None else weight.double().cpu()
+    weighted = (w * u).sum(1) if smoothing else torch.zeros_like(m)
+    return m, total, weighted, (w * u).abs().sum(1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", ["weight-smoothing", "everything", "plain"], ids=str)
+@pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
+def test_cross_entropy_row_stats_on_each_path(ce_path, options):
+    """forward(..., row_stats) on the tile and the loop kernel: m, S, sum w u of every row (a row of -inf only, a
+    row whose first chunk is -inf, a NaN row, an ignored row) against float64; loss, lse, row_weight and the
+    gradient bit for bit as without row_stats."""
+    from multisoft_triton import cross_entropy
+
+    weighted, smoothing, softcap, lse_square_scale, ignore_index = CE_OPTIONS[options]
+    rows, classes = 6, 40
+    logits = torch.randn(rows, classes, device=DEVICE) * 3
+    logits[0] = float("-inf")
+    logits[1, :20] = float("-inf")
+    logits[2, 7] = float("nan")
+    target = torch.tensor([1, 30, 2, ignore_index, 39, 0], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    grad_scale = torch.rand(rows, device=DEVICE) + 0.5
+    options = (ignore_index, smoothing, softcap, lse_square_scale)
+    plain_grad, stats_grad = torch.empty_like(logits), torch.empty_like(logits)
+    plain = _run_cross_entropy(logits, target, weight, plain_grad, grad_scale, *options)
+    with_stats = torch.full((3, rows), 12345.0, device=DEVICE)
+    row_stats = torch.full((3, rows), 12345.0, device=DEVICE)
+    cross_entropy.forward(logits, target, weight, *with_stats, stats_grad, grad_scale, *options, row_stats=row_stats)
+    torch.testing.assert_close(with_stats, plain, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(stats_grad, plain_grad, rtol=0, atol=0, equal_nan=True)
+    m, total, weighted_sum, magnitude = _row_stats_contract(logits, weight, smoothing, softcap)
+    assert_close(row_stats[0], m, torch.float32, "m")
+    assert_close(row_stats[1], total, torch.float32, "S")
+    if not softcap:   # (capped, -inf is -softcap)
+        assert row_stats[0, 0] == -float("inf") and row_stats[1, 0] == 0
+    keep = torch.arange(rows) > 0   # with smoothing, the row of -inf sums to -inf: checked by the other rows
+    assert_close(row_stats[2].cpu()[keep], weighted_sum[keep], torch.float32, "sum w u", magnitude[keep])
+    assert torch.isnan(row_stats[:2, 2]).all()
+
+
+def _slice_gradient_contract(logits, target, weight, row_max_sum, coefficients, softcap):
+    """(gradient, its terms' size) in float64: du/dx * (a exp(u - m) / S - b [j == t] - c w_j), (m, S) as given,
+    no target term for a target outside [0, C)."""
+    x = logits.detach().double().cpu()
+    classes = x.shape[1]
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
+    m, total = row_max_sum.double().cpu()
+    a, b, c = coefficients.double().cpu()
+    w = torch.ones(classes, dtype=torch.float64) if weight is None else weight.double().cpu()
+    is_target = (torch.arange(classes)[None, :] == target.long().cpu()[:, None]).double()
+    terms = (a[:, None] * torch.exp(u - m[:, None]) / total[:, None], b[:, None] * is_target, c[:, None] * w)
+    return du * (terms[0] - terms[1] - terms[2]), du.abs() * sum(term.abs() for term in terms)
+
+
+def _check_slice_gradient(dtype, rows, classes, weighted, softcap, in_place):
+    """gradient of a slice of wider float64 rows (m and S of the whole rows) against the formula; every target kind
+    (in the slice, below, past, ignore_index, beyond 32 bits)."""
+    from multisoft_triton import cross_entropy
+
+    wide = (torch.randn(rows, classes + 30, device=DEVICE, dtype=torch.float64) * 3).to(dtype).double()
+    wide[:, 0] += 5.0
+    u = softcap * torch.tanh(wide / softcap) if softcap else wide
+    m = u.max(1).values
+    row_max_sum = torch.stack([m, torch.exp(u - m[:, None]).sum(1)]).float()
+    logits = wide[:, 10:10 + classes].to(dtype).contiguous()
+    original = logits.clone()
+    kinds = [0, classes - 1, classes // 2, -1, classes, -100, 2**40]
+    target = torch.tensor([kinds[i % len(kinds)] for i in range(rows)], device=DEVICE)
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    coefficients = torch.rand(3, rows, device=DEVICE) + torch.tensor([[0.5], [0.5], [0.0]], device=DEVICE)
+    grad = logits if in_place else torch.full_like(logits, 7.0)
+    cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
+    expected, magnitude = _slice_gradient_contract(original, target, weight, row_max_sum, coefficients, softcap)
+    assert_close(grad, expected, dtype, f"gradient {rows}x{classes}", magnitude)
+    if not in_place:
+        assert torch.equal(logits, original)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("weighted, softcap, in_place", [(False, 0.0, False), (True, 3.0, True), (True, 0.0, False)])
+def test_cross_entropy_gradient_tiles(dtype, weighted, softcap, in_place, monkeypatch):
+    """gradient in programs of 16 columns, 32 elements: a row cut among several programs (a last one mostly masked),
+    two short rows a program, a row of one column."""
+    from multisoft_triton import _tuning
+
+    monkeypatch.setattr(_tuning, "CE_GRADIENT_BLOCK", {4: 16, 2: 16})
+    monkeypatch.setattr(_tuning, "CE_GRADIENT_ELEMENTS", {4: 32, 2: 32})
+    for rows, classes in ((7, 53), (9, 5), (3, 1)):
+        _check_slice_gradient(dtype, rows, classes, weighted, softcap, in_place)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_slice_at_the_tuned_sizes(dtype):
+    """gradient at the tuned program sizes on vocabulary-slice rows (several programs a row, and one program of
+    several rows), and row_stats on the tile and the loop kernel."""
+    from multisoft_triton import _tuning, cross_entropy
+
+    block = _tuning.CE_GRADIENT_BLOCK[dtype.itemsize]
+    for rows, classes in ((7, 3 * block + 5), (33, 100), (2, 16032)):
+        _check_slice_gradient(dtype, rows, classes, True, 0.0, False)
+        _check_slice_gradient(dtype, rows, classes, False, 30.0, True)
+    for classes in (1000, 3 * _tuning.CE_LOOP_GRAD_CONFIGS[dtype.itemsize][0] + 5):
+        logits = (torch.randn(5, classes, device=DEVICE) * 3).to(dtype)
+        logits[3, 5] = float("nan")
+        target = torch.tensor([0, -100, classes - 1, 4, classes], device=DEVICE)
+        weight = torch.rand(classes, device=DEVICE) + 0.5
+        for grad in (None, torch.empty_like(logits)):
+            grad_scale = None if grad is None else torch.rand(5, device=DEVICE)
+            row_stats = torch.full((3, 5), 12345.0, device=DEVICE)
+            outputs = torch.empty(3, 5, device=DEVICE)
+            cross_entropy.forward(logits, target, weight, *outputs, grad, grad_scale, -100, 0.1, 0.0, 0.0,
+                                  row_stats=row_stats)
+            m, total, weighted_sum, magnitude = _row_stats_contract(logits, weight, 0.1, 0.0)
+            assert_close(row_stats[0], m, torch.float32, f"m {classes}")
+            assert_close(row_stats[1], total, torch.float32, f"S {classes}")
+            assert_close(row_stats[2], weighted_sum, torch.float32, f"sum w u {classes}", magnitude)
+            assert torch.isnan(row_stats[:, 3]).all()

@@ -277,10 +277,11 @@ def _expected_gradient(logits, target, weight, grad_scale, options):
 
 
 def _cross_entropy_forward(backend, logits, target, weight, options, grad=None, grad_scale_values=None,
-                           broadcast=False, lead=GUARD, loss_fill=NAN):
+                           broadcast=False, lead=GUARD, loss_fill=NAN, with_row_stats=False):
     """Runs the forward with every tensor placed: ``grad`` None (no gradient), "separate" (a tensor of its own) or
     "in-place" (the logits themselves), grad_scale as given or its first value at stride 0. Returns (loss, lse,
-    row_weight, grad_logits or None) after checking that nothing else was written."""
+    row_weight, grad_logits or None), and with ``with_row_stats`` the (3, M) row_stats it also asked for, after
+    checking that nothing else was written."""
     call = Placement(lead)
     rows = logits.shape[0]
     placed_logits = call.in_place("logits", logits) if grad == "in-place" else call.input("logits", logits)
@@ -296,10 +297,15 @@ def _cross_entropy_forward(backend, logits, target, weight, options, grad=None, 
         else:
             grad_scale = call.input("grad_scale", grad_scale_values)
         grad_logits = placed_logits if grad == "in-place" else call.output("grad_logits", logits.shape, logits.dtype)
+    stats = {}
+    if with_row_stats:   # -777 is a value m, S or sum(w * u) of these logits could be: NaN is an answer here
+        stats["row_stats"] = call.output("row_stats", (3, rows), torch.float32, fill=12345.0)
     _kernels(backend, "cross_entropy").forward(placed_logits, target, weight, loss, lse, row_weight, grad_logits,
                                                grad_scale, options["ignore_index"], options["label_smoothing"],
-                                               options["softcap"], options["lse_square_scale"])
+                                               options["softcap"], options["lse_square_scale"], **stats)
     call.unchanged()
+    if with_row_stats:
+        return loss, lse, row_weight, grad_logits, stats["row_stats"]
     return loss, lse, row_weight, grad_logits
 
 
@@ -438,6 +444,194 @@ def test_cross_entropy_invalid_targets(backend, target_dtype):
         if grad is not None:
             expected_grad = _expected_gradient(logits[known], target[known], weight, grad_scale[known], options)
             assert_close(grad_logits[known], expected_grad, torch.float32, "gradient of the other rows")
+
+
+# -- cross_entropy.py, a slice of the classes (vocabulary-parallel): row_stats and gradient
+
+
+def _capped64(x, softcap):
+    """u of float64 logits: softcap * tanh(x / softcap), or x (softcap 0)."""
+    return softcap * torch.tanh(x / softcap) if softcap else x
+
+
+def _expected_row_stats(logits, weight, options):
+    """(m, S, sum_j w_j u_j) of every row in float64 (the last 0 without label smoothing); S is 0 where m is -inf
+    (a row of -inf: nothing to add to the other slices' sums)."""
+    u = _capped64(logits.double(), options["softcap"])
+    m = u.max(1).values
+    shift = torch.where(m == -INF, 0.0, m)
+    total = torch.exp(u - shift[:, None]).sum(1)
+    w = torch.ones(u.shape[1], dtype=torch.float64, device=u.device) if weight is None else weight.double()
+    weighted = (w * u).sum(1) if options["label_smoothing"] else torch.zeros_like(m)
+    magnitude = (w * u).abs().sum(1) if options["label_smoothing"] else torch.zeros_like(m)
+    return m, total, weighted, magnitude
+
+
+# case of CROSS_ENTROPY_CASES, gradient (None, "separate", "in-place")
+ROW_STATS_CASES = {
+    "plain": ("plain", None),
+    "weighted-smoothed-gradient": ("weighted-smoothed-int32", "separate"),
+    "softcap-z-loss-in-place": ("softcap-z-loss-weighted-smoothed", "in-place"),
+    "ignore-a-class-in-place": ("ignore-a-class", "in-place"),
+    "one-class": ("one-class", None),
+}
+
+
+@pytest.mark.parametrize("case", list(ROW_STATS_CASES), ids=str)
+@each_dtype
+@on_each_backend
+def test_cross_entropy_row_stats(backend, dtype, case):
+    """forward(..., row_stats): row_stats[:, i] = (m, S, sum_j w_j u_j) of every row (ignored rows, a row with a
+    NaN among its logits and a row with an invalid target too), everything else written bit for bit as without
+    it."""
+    _skip_unless_runs(backend, dtype)
+    inputs, grad = ROW_STATS_CASES[case]
+    logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[inputs])
+    rows, classes = logits.shape
+    logits[min(1, rows - 1), classes // 2] = NAN
+    if rows > 3:
+        target[3] = classes + 2
+    grad_scale = torch.rand(rows, device=DEVICE) + 0.5
+    *outputs, row_stats = _cross_entropy_forward(backend, logits, target, weight, options, grad, grad_scale,
+                                                 loss_fill=0.5, with_row_stats=True)
+    without = _cross_entropy_forward(backend, logits, target, weight, options, grad, grad_scale, loss_fill=0.5)
+    for name, value, plain in zip(("loss", "lse", "row_weight", "grad_logits"), outputs, without):
+        if value is not None:
+            assert torch.equal(_bits(value), _bits(plain)), f"{name} differs from the call without row_stats"
+    m, total, weighted, magnitude = _expected_row_stats(logits, weight, options)
+    assert_close(row_stats[0], m, torch.float32, "m")
+    assert_close(row_stats[1], total, torch.float32, "S")
+    assert_close(row_stats[2], weighted, torch.float32, "sum w * u", magnitude)
+
+
+@on_each_backend
+def test_cross_entropy_row_stats_of_a_row_of_minus_infinity(backend):
+    """A row whose logits (this slice of its classes) are all -inf: m = -inf and S = 0, which add nothing when
+    the front combines the slices' statistics; the rows beside it as usual."""
+    logits, target, weight, options = _cross_entropy_inputs(torch.float32, (4, 37))
+    logits[1] = -INF
+    logits[2, ::3] = -INF
+    *_, row_stats = _cross_entropy_forward(backend, logits, target, weight, options, with_row_stats=True)
+    assert row_stats[0, 1] == -INF and row_stats[1, 1] == 0, row_stats[:, 1]
+    m, total, weighted, _ = _expected_row_stats(logits, weight, options)
+    assert_close(row_stats[0], m, torch.float32, "m")
+    assert_close(row_stats[1], total, torch.float32, "S")
+    assert torch.equal(row_stats[2], weighted.float()), "sum w * u is 0 without label smoothing"
+
+
+def _slice_inputs(dtype, rows, classes, weighted, softcap, first=3, wider=11):
+    """Logits (rows, classes) in ``dtype``: columns first..first + classes of wider float64 rows (of classes +
+    wider columns), and the float64 u, m and S of those WHOLE rows; a weight of the slice's classes or None."""
+    wide = (torch.randn(rows, classes + wider, device=DEVICE, dtype=torch.float64) * 3).to(dtype).double()
+    wide[:, 0] += 4.0   # the row's max mostly outside the slice
+    u = _capped64(wide, softcap)
+    m = u.max(1).values
+    total = torch.exp(u - m[:, None]).sum(1)
+    logits = wide[:, first:first + classes].to(dtype)
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    return logits, torch.stack([m, total]).float(), weight
+
+
+def _expected_slice_gradient(logits, target, weight, row_max_sum, coefficients, softcap):
+    """(gradient, its terms' size) in float64 from the float32 statistics the kernel gets: du/dx * (a exp(u - m)
+    / S - b [j == t] - c w_j), no target term for a target outside [0, C)."""
+    x = logits.double()
+    rows, classes = x.shape
+    u = _capped64(x, softcap)
+    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
+    m, total = row_max_sum.double()
+    a, b, c = coefficients.double()
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
+    t = target.long()
+    is_target = (torch.arange(classes, device=x.device)[None, :] == t[:, None]).double()
+    p = torch.exp(u - m[:, None]) / total[:, None]
+    terms = (a[:, None] * p, b[:, None] * is_target, c[:, None] * w)
+    gradient = du * (terms[0] - terms[1] - terms[2])
+    magnitude = du.abs() * sum(term.abs() for term in terms)
+    return gradient, magnitude
+
+
+def _slice_targets(rows, classes, target_dtype):
+    """Targets of ``rows`` rows cycling through: inside the slice (its first and last class, one between), below
+    it, past it, ignore_index, and (int64) values whose low 32 bits are classes of the slice."""
+    outside = [-1, classes, -100, classes + 5]
+    if target_dtype == torch.int64:
+        outside += [2**32 + min(1, classes - 1), -(2**32)]
+    cycle = [0, classes - 1, classes // 2, *outside]
+    return torch.tensor([cycle[i % len(cycle)] for i in range(rows)], dtype=target_dtype, device=DEVICE)
+
+
+def _check_slice_gradient(backend, dtype, shape, weighted=False, softcap=0.0, in_place=False,
+                          target_dtype=torch.int64, lead=GUARD, edit=None):
+    """Runs gradient on placed tensors (grad_logits the logits themselves with ``in_place``) and checks it against
+    the float64 formula; ``edit(logits, row_max_sum)`` changes the inputs first. Returns the gradient."""
+    rows, classes = shape
+    logits, row_max_sum, weight = _slice_inputs(dtype, rows, classes, weighted, softcap)
+    if edit is not None:
+        edit(logits, row_max_sum)
+    target = _slice_targets(rows, classes, target_dtype)
+    coefficients = torch.stack([torch.rand(rows, device=DEVICE) + 0.5, torch.rand(rows, device=DEVICE) + 0.5,
+                                torch.rand(rows, device=DEVICE) * 0.1])
+    call = Placement(lead)
+    placed = call.in_place("logits", logits) if in_place else call.input("logits", logits)
+    placed_target = call.input("target", target)
+    placed_weight = None if weight is None else call.input("weight", weight)
+    placed_stats = call.input("row_max_sum", row_max_sum)
+    placed_coefficients = call.input("coefficients", coefficients)
+    grad_logits = placed if in_place else call.output("grad_logits", shape, dtype)
+    _kernels(backend, "cross_entropy").gradient(placed, placed_target, placed_weight, placed_stats,
+                                                placed_coefficients, grad_logits, softcap)
+    call.unchanged()
+    expected, magnitude = _expected_slice_gradient(logits, target, weight, row_max_sum, coefficients, softcap)
+    assert_close(grad_logits, expected, dtype, "gradient of the slice", magnitude)
+    return grad_logits
+
+
+# (rows, classes, weighted, softcap, in place, target dtype)
+SLICE_GRADIENT_CASES = {
+    "plain": ((7, 37), False, 0.0, False, torch.int64),
+    "weighted-in-place": ((7, 40), True, 0.0, True, torch.int32),
+    "softcap": ((7, 37), False, 3.0, False, torch.int32),
+    "softcap-weighted-in-place": ((7, 37), True, 2.5, True, torch.int64),
+    "one-column": ((7, 1), True, 0.0, False, torch.int64),
+    "one-column-in-place-softcap": ((7, 1), False, 4.0, True, torch.int32),
+    "long-rows": ((3, 700), True, 0.0, False, torch.int64),
+}
+
+
+@pytest.mark.parametrize("case", list(SLICE_GRADIENT_CASES), ids=str)
+@each_dtype
+@on_each_backend
+def test_cross_entropy_gradient_of_a_slice(backend, dtype, case):
+    """gradient: du/dx * (a exp(u - m) / S - b [j == t] - c w_j) from the whole (wider) row's m and S, for targets
+    inside the slice and outside it (below, past, ignore_index, int64 beyond 32 bits), with and without weights and
+    a softcap, in place or into a tensor of its own, rows of one column; nothing written outside grad_logits."""
+    _skip_unless_runs(backend, dtype)
+    shape, weighted, softcap, in_place, target_dtype = SLICE_GRADIENT_CASES[case]
+    _check_slice_gradient(backend, dtype, shape, weighted, softcap, in_place, target_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@on_each_backend
+def test_cross_entropy_gradient_of_a_slice_unaligned(backend, dtype):
+    """The same on tensors one element past a 16-byte boundary (rows read element by element), in place and not."""
+    _skip_unless_runs(backend, dtype)
+    for in_place in (False, True):
+        _check_slice_gradient(backend, dtype, (5, 37), True, 2.0, in_place, lead=UNALIGNED)
+
+
+@on_each_backend
+def test_cross_entropy_gradient_of_a_slice_with_nan(backend):
+    """A NaN statistic (m or S) makes its row's gradient NaN; a NaN logit makes its own element NaN, the rest of its
+    row as usual."""
+    def poison(logits, row_max_sum):
+        row_max_sum[0, 1] = NAN
+        row_max_sum[1, 2] = NAN
+        logits[3, 5] = NAN
+
+    grad = _check_slice_gradient(backend, torch.float32, (4, 37), True, 0.0, edit=poison)
+    assert torch.isnan(grad[1:3]).all(), "NaN statistics"
+    assert torch.isnan(grad[3]).sum() == 1 and torch.isnan(grad[3, 5]), "a NaN logit"
 
 
 # -- blocksparse.py

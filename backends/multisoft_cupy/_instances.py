@@ -65,6 +65,14 @@ def ce_scale_kernel(ctype: str, cfg: RowConfig) -> str:
     return f"ce_scale<{ctype}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
 
 
+def ce_gradient_kernel(ctype: str, index_type: str, softcap: bool, cfg: RowConfig) -> str:
+    """The gradient of a slice of the classes (vocabulary-parallel) for targets of `index_type`; with `softcap` it
+    caps the logits."""
+    min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
+    cap = "true" if softcap else "false"
+    return f"ce_gradient<{ctype}, {index_type}, {cap}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
+
+
 def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
     """A register kernel: the forward a warp a row, the backward its lanes a row taken at launch."""
     return _row_kernel(f"bs_{direction}", ctype, cfg)
@@ -100,7 +108,9 @@ def _cross_entropy(ctype: str, cc: int) -> list[str]:
     configs = _tuning.usable(_tuning.CE_FWD_CONFIGS, cc)
     flags = list(itertools.product((False, True), repeat=2))
     forward = [ce_fwd_kernel(ctype, i, grad, cap, c) for i in INDEX_TYPES for grad, cap in flags for c in configs]
-    return forward + [ce_scale_kernel(ctype, _tuning.CE_SCALE_CONFIG)]
+    gradient = [ce_gradient_kernel(ctype, i, cap, _tuning.CE_GRADIENT_CONFIG) for i in INDEX_TYPES
+                for cap in (False, True)]
+    return forward + [ce_scale_kernel(ctype, _tuning.CE_SCALE_CONFIG)] + gradient
 
 
 def _blocksparse(ctype: str) -> list[str]:

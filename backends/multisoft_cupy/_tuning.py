@@ -228,6 +228,11 @@ CE_SCALE_CONFIG = RowConfig(256, 1, 4, 1, 4)
 CE_SCALE_BLOCKS_PER_SM = 8  # blocks of ce_scale a multiprocessor at most (two waves of four), walking the rows
 
 
+# The gradient of a slice of the classes from the whole row's statistics (ce_gradient, vocabulary-parallel), one
+# elementwise sweep: ce_scale's block shape (TPR threads, VPT 16-byte vectors a thread, MIN_BLOCKS a multiprocessor).
+CE_GRADIENT_CONFIG = RowConfig(256, 1, 4, 1, 4)
+
+
 def ce_fwd_config(rows: int, classes: int, elem_size: int, cc: int, sm_count: int) -> RowConfig:
     """A warp per short row; a 256-thread block per row; a cluster per row when rows are too few to fill the GPU
     (docs/tuning.md)."""
@@ -245,6 +250,13 @@ def ce_scale_grid(rows: int, classes: int, elem_size: int, sm_count: int) -> tup
     tiles = -(-classes // CE_SCALE_CONFIG.capacity(elem_size))
     row_blocks = max(1, CE_SCALE_BLOCKS_PER_SM * sm_count // tiles)
     return min(tiles, MAX_GRID), min(rows, MAX_GRID_Y, row_blocks), 1
+
+
+def ce_gradient_grid(rows: int, classes: int, elem_size: int) -> tuple[int, int, int]:
+    """ce_gradient's grid: a block per tile of a row (x) and per row (y), every block of an elementwise sweep in
+    flight as the GPU schedules them; past the grid's limits the blocks walk tiles and rows."""
+    tiles = -(-classes // CE_GRADIENT_CONFIG.capacity(elem_size))
+    return min(tiles, MAX_GRID), min(rows, MAX_GRID_Y), 1
 
 
 # ---- block-sparse softmax (blocksparse.cu)

@@ -9,6 +9,9 @@
 // target's logit included) from every write of the row.
 // Targets outside [0, C) that are not ignore_index are never dereferenced: their loss is NaN, their gradient
 // row NaN.
+// With `row_stats` (not null) the forward also writes each row's m, S and sum_c w[c] * u[c]: the statistics of a
+// slice of the classes, which the front combines across ranks (vocabulary-parallel cross-entropy); ce_gradient
+// then writes that slice's gradient from the whole row's statistics, in one elementwise sweep.
 #include "common.cuh"
 
 template <bool FIRST, typename A, typename B>
@@ -31,6 +34,7 @@ struct CeArgs {
     T* grad;                  // (M, C), or null without GRAD; may be `logits`
     const float* grad_scale;  // (M,) with grad_scale_stride 1, or one value with stride 0
     i64 grad_scale_stride;
+    float* row_stats;  // (3, M): m, S, sum_c w[c] * u[c] of each row; or null
     i64 M, C, ignore_index;
     float eps, softcap, lse_square_scale;
     bool vec;
@@ -120,6 +124,11 @@ __device__ __forceinline__ void ce_rows(const CeArgs<T, TI>& a) {
             }
             a.loss[row] = value;
             a.row_weight[row] = valid ? target_weight : 0.f;
+            if (a.row_stats) {  // st.a is 0 without label smoothing
+                a.row_stats[row] = st.m;
+                a.row_stats[a.M + row] = st.s;
+                a.row_stats[2 * a.M + row] = st.a;
+            }
         }
         if constexpr (GRAD) {
             if constexpr (TPR == 32) __syncwarp();  // orders the warp's reads of the row before its writes
@@ -168,16 +177,18 @@ __device__ __forceinline__ void ce_rows(const CeArgs<T, TI>& a) {
     }
 }
 
-// loss, lse, row_weight (M,) and with GRAD grad (M, C) = grad_scale[i * grad_scale_stride] * dloss_i / dx.
+// loss, lse, row_weight (M,) and with GRAD grad (M, C) = grad_scale[i * grad_scale_stride] * dloss_i / dx; with
+// row_stats (not null) each row's m, S and sum_c w[c] * u[c] (lane 0 of each row, once: no cost in the sweeps).
 // CAP: softcap > 0 (without it, softcap is unused). vec_ok: logits and grad start 16-byte aligned and C is a
 // multiple of the 16-byte vector.
 template <typename T, typename TI, bool GRAD, bool CAP, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
 MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) ce_fwd(const T* logits, const TI* target, const float* weight, float* loss,
                                                  float* lse, float* row_weight, T* grad, const float* grad_scale,
-                                                 i64 grad_scale_stride, i64 M, i64 C, i64 ignore_index, float eps,
-                                                 float softcap, float lse_square_scale, int vec_ok) {
+                                                 i64 grad_scale_stride, float* row_stats, i64 M, i64 C,
+                                                 i64 ignore_index, float eps, float softcap, float lse_square_scale,
+                                                 int vec_ok) {
     const CeArgs<T, TI> a{logits, target, weight, loss, lse, row_weight, grad, grad_scale, grad_scale_stride,
-                          M, C, ignore_index, eps, softcap, lse_square_scale, vec_ok != 0};
+                          row_stats, M, C, ignore_index, eps, softcap, lse_square_scale, vec_ok != 0};
     ce_rows<T, TI, GRAD, CAP, TPR, ROWS, VPT, 1>(a);
 }
 
@@ -185,11 +196,12 @@ MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) ce_fwd(const T* logits, const TI* targ
 template <typename T, typename TI, bool GRAD, bool CAP, int TPR, int VPT, int CLUSTER, int MIN_BLOCKS = 0>
 MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) ce_fwd_cluster(const T* logits, const TI* target, const float* weight,
                                                            float* loss, float* lse, float* row_weight, T* grad,
-                                                           const float* grad_scale, i64 grad_scale_stride, i64 M,
-                                                           i64 C, i64 ignore_index, float eps, float softcap,
-                                                           float lse_square_scale, int vec_ok) {
+                                                           const float* grad_scale, i64 grad_scale_stride,
+                                                           float* row_stats, i64 M, i64 C, i64 ignore_index,
+                                                           float eps, float softcap, float lse_square_scale,
+                                                           int vec_ok) {
     const CeArgs<T, TI> a{logits, target, weight, loss, lse, row_weight, grad, grad_scale, grad_scale_stride,
-                          M, C, ignore_index, eps, softcap, lse_square_scale, vec_ok != 0};
+                          row_stats, M, C, ignore_index, eps, softcap, lse_square_scale, vec_ok != 0};
     ce_rows<T, TI, GRAD, CAP, TPR, 1, VPT, CLUSTER>(a);
 }
 #endif
@@ -215,6 +227,57 @@ MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) ce_scale(T* grad, const float* factor, i6
             const i64 start = tile * TL::SIZE;
             TL::load(v, grad + row * C, map, start, C, lane, vec, 0.f);
             set_each<T, THREADS, VPT>(v, [&](int e) { return TL::get(v, e) * f; });
+            TL::store(v, grad + row * C, map, start, C, lane, vec);
+        }
+    }
+}
+
+// grad[i, c] = du/dx * (a_i * exp(u_c - m_i) / S_i - b_i * (c == t_i) - c_i * w[c]) for a slice of the classes:
+// (m_i, S_i) = row_max_sum[i], row_max_sum[M + i] are the whole row's, (a_i, b_i, c_i) = coefficients[i],
+// coefficients[M + i], coefficients[2M + i]; w = weight, or 1 where null. A target outside [0, C) is only
+// compared, never an index. One elementwise sweep with no reduction: block (x, y) writes tiles x, x + gridDim.x,
+// ... of rows y, y + gridDim.y, ..., each element written by the thread that read it (in place allowed).
+// exp(u - m) takes exp_diff, not ShiftedExp: m is not one of this slice's values.
+template <typename T, typename TI, bool CAP, int THREADS, int VPT, int MIN_BLOCKS = 0>
+MS_ROW_KERNEL_MIN(THREADS, MIN_BLOCKS) ce_gradient(const T* logits, const TI* target, const float* weight,
+                                                   const float* row_max_sum, const float* coefficients, T* grad,
+                                                   i64 M, i64 C, float softcap, int vec_ok) {
+    using TL = Tile<T, THREADS, VPT>;
+    const int lane = threadIdx.x;
+    const i64 ntiles = (C + TL::SIZE - 1) / TL::SIZE;
+    const bool vec = vec_ok != 0;
+    const float inv_cap = CAP ? 1.f / softcap : 0.f;
+    const i64 lane_offset = vec ? (i64)lane * TL::VEC : (i64)lane;
+    const DenseMap map;
+    typename TL::Regs v;
+    for (i64 row = blockIdx.y; row < M; row += gridDim.y) {
+        const i64 t = (i64)target[row];
+        const float m = row_max_sum[row];
+        const float coef_p = coefficients[row] / row_max_sum[M + row];
+        const float coef_t = coefficients[M + row], coef_w = coefficients[2 * M + row];
+        for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+            const i64 start = tile * TL::SIZE;
+            TL::load(v, logits + row * C, map, start, C, lane, vec, 0.f);
+            // the target's position among this thread's elements, as TL::offset counts them; -1 if absent
+            const i64 rel = t - start - lane_offset;
+            const int target_at = rel >= 0 && rel < TL::SIZE ? (int)rel : -1;
+            set_each<T, THREADS, VPT>(v, [&](int e) {
+                const float x = TL::get(v, e);
+                float u = x, du = 1.f;
+                if constexpr (CAP) {
+                    const float th = tanhf(x * inv_cap);
+                    u = softcap * th;
+                    du = (1.f - th) * (1.f + th);
+                }
+                float g = coef_p * exp_diff(u, m) - (TL::offset(e, vec) == target_at ? coef_t : 0.f);
+                if (weight) {
+                    const i64 c = TL::col(start, lane, e, vec);
+                    g -= coef_w * (c < C ? weight[c] : 0.f);
+                } else {
+                    g -= coef_w;
+                }
+                return CAP ? g * du : g;
+            });
             TL::store(v, grad + row * C, map, start, C, lane, vec);
         }
     }

@@ -1,5 +1,6 @@
-"""Cross-entropy in one pass (loss, lse, row weight and, when wanted, the scaled gradient) and the backward's
-scaling of that gradient, from cross_entropy.cu."""
+"""Cross-entropy in one pass (loss, lse, row weight and, when wanted, the scaled gradient, and each row's
+statistics), the backward's scaling of that gradient, and the gradient of a slice of the classes from the whole
+row's statistics (vocabulary-parallel), from cross_entropy.cu."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ def _kernel_softcap(softcap: float) -> float:
 
 
 def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float) -> None:
+            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
     """A row group (warp, block or cluster) per row reads it once, and with `grad_logits` writes
-    grad_scale[i] * dloss_i / dlogits (from registers, or re-reading the row's other tiles)."""
+    grad_scale[i] * dloss_i / dlogits (from registers, or re-reading the row's other tiles); with `row_stats`
+    (3, M) each row's m, S and sum_c w[c] * u[c] (0 without label smoothing)."""
     rows, classes = logits.shape
     elem = logits.element_size()
     cc, sm_count = device_info(device_index(logits))
@@ -29,10 +31,28 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
     vec = classes % (16 // elem) == 0 and aligned(logits) and (not grad or aligned(grad_logits))
     scale_stride = grad_scale.stride(0) if grad else 0
     args = (ptr(logits), ptr(target), ptr(weight), ptr(loss), ptr(lse), ptr(row_weight), ptr(grad_logits),
-            ptr(grad_scale if grad else None), i64(scale_stride), i64(rows), i64(classes), i64(ignore_index),
-            f32(label_smoothing), f32(softcap), f32(lse_square_scale), i32(vec))
+            ptr(grad_scale if grad else None), i64(scale_stride), ptr(row_stats), i64(rows), i64(classes),
+            i64(ignore_index), f32(label_smoothing), f32(softcap), f32(lse_square_scale), i32(vec))
     expression = _instances.ce_fwd_kernel(ctype(logits.dtype), index_ctype(target.dtype), grad, softcap != 0, cfg)
     launch(logits, SOURCE, expression, (_tuning.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
+
+
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+    """grad_logits[i, c] = du/dx * (a_i * exp(u_c - m_i) / S_i - b_i * [c == t_i] - c_i * w[c]) with the whole
+    row's (m, S) = row_max_sum[:, i] and (a, b, c) = coefficients[:, i]: a block per tile of a row and per row;
+    grad_logits may be logits itself."""
+    rows, classes = logits.shape
+    if rows == 0 or classes == 0:
+        return
+    elem = logits.element_size()
+    cfg = _tuning.CE_GRADIENT_CONFIG
+    grid = _tuning.ce_gradient_grid(rows, classes, elem)
+    softcap = _kernel_softcap(softcap)
+    vec = classes % (16 // elem) == 0 and aligned(logits, grad_logits)
+    args = (ptr(logits), ptr(target), ptr(weight), ptr(row_max_sum), ptr(coefficients), ptr(grad_logits), i64(rows),
+            i64(classes), f32(softcap), i32(vec))
+    expression = _instances.ce_gradient_kernel(ctype(logits.dtype), index_ctype(target.dtype), softcap != 0, cfg)
+    launch(logits, SOURCE, expression, grid, (cfg.threads, 1, 1), args)
 
 
 def scale(grad_logits, factor) -> None:

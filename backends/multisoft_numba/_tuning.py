@@ -54,6 +54,10 @@ CE_UNROLL = 16             # (docs/tuning.md)
 CE_SCALE_UNROLL = 16       # (docs/tuning.md: the elementwise backward's CE_BACKWARD_UNROLL)
 CE_SCALE_THREADS = 256
 CE_SCALE_BLOCKS_PER_SM = 8
+# gradient() (vocabulary-parallel), one elementwise sweep: elements a thread and most threads a block, scale()'s;
+# a block per part of a row and per row (past 65535 rows the blocks walk rows).
+CE_GRADIENT_UNROLL = 16
+CE_GRADIENT_THREADS = 256
 
 # -- block-sparse softmax (blocksparse.py)
 

@@ -9,6 +9,12 @@ else re-reading the row from its last part back, which the block read most recen
 read of a row comes before the barrier that ends the first sweep, and in the second sweep a thread writes only the
 vectors it has just read itself: the gradient may overwrite the logits (in place).
 
+With a row_stats buffer (a separate kernel, with_stats) the forward also writes each row's m, S and sum_c w_c u_c:
+the statistics of a slice of the classes, which the front combines across ranks (vocabulary-parallel cross-entropy).
+
+gradient: that slice's gradient from the whole row's statistics, (a * exp(u - m) / S - b * [c == t] - c_ * w_c) *
+du/dx: one elementwise sweep with no reduction, so a long row is shared among several blocks, as scale shares it.
+
 scale: grad *= factor, one factor (read on the device: when it is 1 every block returns at once) or one a row.
 
 A target outside [0, C) that is not ignore_index is never used as an index: its loss is NaN and its gradient row
@@ -120,9 +126,10 @@ def _row_functions(fmt, width, count, smooth, has_weight, capped):
 
 
 @functools.cache
-def _forward(fmt, width, per_thread, cached, smooth, has_weight, capped, with_grad):
+def _forward(fmt, width, per_thread, cached, smooth, has_weight, capped, with_grad, with_stats):
     """The forward kernel: a thread holds `per_thread` elements of its row (cached: the whole row is held at once)
-    or reads that many a step (looping); `with_grad`: it writes the gradient row too."""
+    or reads that many a step (looping); `with_grad`: it writes the gradient row too; `with_stats`: row_stats, (3, M)
+    flattened, gets each row's m, S and sum_c w_c u_c."""
     vectors = per_thread // width
     _, write_vectors = strided_io(fmt, width, vectors)
     words = word_layout(fmt, width)[1]
@@ -130,8 +137,8 @@ def _forward(fmt, width, per_thread, cached, smooth, has_weight, capped, with_gr
     load_one = _row_functions(fmt, width, 1, False, False, capped)[0]
 
     @kernel
-    def forward(x, target, weight, loss, lse, row_weight, grad, grad_scale, scale_stride, ignore_index, eps,
-                cap, inv_cap, z_scale):
+    def forward(x, target, weight, loss, lse, row_weight, grad, grad_scale, scale_stride, row_stats, ignore_index,
+                eps, cap, inv_cap, z_scale):
         row = cuda.blockIdx.x
         x_row = x[uint64(row)]
         tid = cuda.threadIdx.x
@@ -185,6 +192,11 @@ def _forward(fmt, width, per_thread, cached, smooth, has_weight, capped, with_gr
                 if z_scale != float32(0.0):
                     value += z_scale * row_lse * row_lse
             loss[row] = value
+            if with_stats:
+                rows = loss.shape[0]
+                row_stats[row] = m
+                row_stats[rows + row] = s
+                row_stats[2 * rows + row] = weighted_u
         if with_grad:
             grad_row = grad[uint64(row)]
             steps = (n_vectors + step - 1) // step
@@ -242,6 +254,54 @@ def _scale(fmt, width, per_thread):
     return scale
 
 
+@functools.cache
+def _gradient(fmt, width, per_thread, has_weight, capped):
+    """The gradient kernel: block (x, y) writes vectors x * threads * vectors + tid, ... (`per_thread` elements a
+    thread) of rows y, y + gridDim.y, ...; each thread writes only the vectors it has just read (in place allowed).
+    row_max_sum (2, M) and coefficients (3, M) come flattened."""
+    vectors = per_thread // width
+    read_vectors, write_vectors = strided_io(fmt, width, vectors)
+    words = word_layout(fmt, width)[1]
+
+    @kernel
+    def gradient(x, target, weight, row_max_sum, coefficients, grad, cap, inv_cap):
+        rows = target.shape[0]
+        tid = cuda.threadIdx.x
+        n_vectors = x.shape[1] // words
+        first = cuda.blockIdx.x * cuda.blockDim.x * vectors + tid
+        vals = cuda.local.array(per_thread, float32)
+        for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+            t = target[row]
+            m = row_max_sum[row]
+            coef_p = coefficients[row] / row_max_sum[rows + row]
+            coef_t = coefficients[rows + row]
+            coef_w = coefficients[2 * rows + row]
+            grad_row = grad[uint64(row)]
+            read_vectors(x[uint64(row)], first, cuda.blockDim.x, n_vectors, vals, float32(0.0))
+            for k in range(vectors):
+                c = first + k * cuda.blockDim.x
+                for j in range(width):
+                    col = c * width + j
+                    v = vals[k * width + j]
+                    if capped:
+                        v = float32(math.tanh(v * inv_cap))
+                        value = coef_p * expf(cap * v - m)
+                    else:
+                        value = coef_p * expf(v - m)
+                    if col == t:
+                        value -= coef_t
+                    if has_weight:
+                        value -= coef_w * (weight[col] if c < n_vectors else float32(0.0))
+                    else:
+                        value -= coef_w
+                    if capped:
+                        value *= (float32(1.0) - v) * (float32(1.0) + v)
+                    vals[k * width + j] = value
+            write_vectors(grad_row, first, cuda.blockDim.x, n_vectors, vals)
+
+    return gradient
+
+
 def _softcap_for_kernel(softcap: float) -> float:
     """0 (no cap) for no softcap, and for one beyond float32's range too (softcap * tanh(x / softcap) then rounds
     to x for every float32 x)."""
@@ -257,9 +317,10 @@ def _per_row(values):
 
 
 def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float) -> None:
+            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
     """loss, lse and row_weight of every row; with grad_logits (possibly logits itself) its gradient row too,
-    grad_scale[i] * dloss_i / dlogits."""
+    grad_scale[i] * dloss_i / dlogits; with row_stats (3, M) each row's m, S and sum_c w_c u_c (0 without label
+    smoothing)."""
     rows, classes = logits.shape
     with_grad = grad_logits is not None
     fmt, width, views = vector_views((logits, grad_logits) if with_grad else (logits,))
@@ -277,11 +338,33 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
     else:   # never read: placeholders of the right kinds
         grad_words, grad_scale, scale_stride = logit_words, loss, 0
     eps = numpy.float32(label_smoothing)
-    kernel_ = _forward(fmt, width, per_thread, cached, bool(eps), weight is not None, softcap != 0.0, with_grad)
+    with_stats = row_stats is not None
+    kernel_ = _forward(fmt, width, per_thread, cached, bool(eps), weight is not None, softcap != 0.0, with_grad,
+                       with_stats)
     launch(kernel_, rows, threads,
            (logit_words, target, weight if weight is not None else loss, loss, lse, row_weight, grad_words,
-            grad_scale, numpy.int64(scale_stride), numpy.int64(ignore_index), eps, numpy.float32(softcap),
+            grad_scale, numpy.int64(scale_stride), row_stats.view(-1) if with_stats else loss,
+            numpy.int64(ignore_index), eps, numpy.float32(softcap),
             numpy.float32(1.0 / softcap if softcap else 0.0), numpy.float32(lse_square_scale)))
+
+
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+    """grad_logits[i, c] = du/dx * (a_i * exp(u_c - m_i) / S_i - b_i * [c == t_i] - c_i * w_c), (m, S) =
+    row_max_sum[:, i] of the whole row, (a, b, c) = coefficients[:, i]; a target outside [0, C) has no term here.
+    grad_logits may be logits itself."""
+    rows, classes = logits.shape
+    if rows == 0 or classes == 0:
+        return
+    fmt, width, (logit_words, grad_words) = vector_views((logits, grad_logits))
+    per_thread = max(_tuning.CE_GRADIENT_UNROLL, width)
+    threads = min(_tuning.CE_GRADIENT_THREADS, threads_for(classes, per_thread))
+    chunks = -(-(classes // width) // (threads * (per_thread // width)))
+    softcap = _softcap_for_kernel(softcap)
+    inv_softcap = 1.0 / softcap if softcap else 0.0
+    kernel_ = _gradient(fmt, width, per_thread, weight is not None, softcap != 0.0)
+    launch(kernel_, (chunks, min(rows, 65535)), threads,
+           (logit_words, target, weight if weight is not None else row_max_sum, row_max_sum.view(-1),
+            coefficients.view(-1), grad_words, numpy.float32(softcap), numpy.float32(inv_softcap)))
 
 
 def scale(grad_logits, factor) -> None:

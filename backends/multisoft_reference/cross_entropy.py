@@ -6,23 +6,36 @@ A target outside [0, C) that is not ``ignore_index`` gives a NaN loss and a NaN 
 import torch
 
 
+def _capped(logits, softcap):
+    x = logits.to(torch.float64)
+    return softcap * torch.tanh(x / softcap) if softcap else x
+
+
 def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float) -> None:
+            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
     classes = logits.shape[1]
     eps, s = label_smoothing, lse_square_scale
-    x = logits.to(torch.float64)
-    u = softcap * torch.tanh(x / softcap) if softcap else x
+    u = _capped(logits, softcap)
     ignored = target == ignore_index
     in_range = (target >= 0) & (target < classes)
     safe = torch.where(in_range & ~ignored, target, 0).long()
-    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.to(torch.float64)
+    w = torch.ones(classes, dtype=torch.float64, device=u.device) if weight is None else weight.to(torch.float64)
     target_weight = w[safe]
     row_lse = u.logsumexp(-1)
-    per_row = ((1.0 - eps) * target_weight * (row_lse - u.gather(1, safe.unsqueeze(1)).squeeze(1))
-               + eps / classes * ((row_lse.unsqueeze(1) - u) * w).sum(-1) + s * row_lse.square())
+    per_row = (1.0 - eps) * target_weight * (row_lse - u.gather(1, safe.unsqueeze(1)).squeeze(1))
+    if eps:  # only then: a -inf logit's lse - u is inf, and 0 * inf would make the loss NaN
+        per_row = per_row + eps / classes * ((row_lse.unsqueeze(1) - u) * w).sum(-1)
+    if s:
+        per_row = per_row + s * row_lse.square()
     lse.copy_(row_lse)
     loss.copy_(torch.where(ignored, 0.0, torch.where(in_range, per_row, float("nan"))))
     row_weight.copy_(torch.where(ignored, 0.0, target_weight))
+    if row_stats is not None:
+        row_max = u.amax(-1)
+        row_sum = (u - row_max.unsqueeze(1)).exp().sum(-1)
+        row_stats[0].copy_(row_max)
+        row_stats[1].copy_(torch.where(row_max == float("-inf"), 0.0, row_sum))
+        row_stats[2].copy_((u * w).sum(-1) if eps else torch.zeros_like(row_max))
     if grad_logits is None:
         return
     p = torch.softmax(u, -1)
@@ -32,6 +45,21 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
     grad = grad_u * (1.0 - (u / softcap).square()) if softcap else grad_u
     g = torch.where(ignored, 0.0, torch.where(in_range, grad_scale.to(torch.float64), float("nan")))
     grad_logits.copy_(grad * g.unsqueeze(1))
+
+
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+    """For a slice of each row's classes, in float64, from the whole row's max m and sum S of exp(u - m):
+    du/dx * (a * exp(u - m) / S - b at the target - c * w), (a, b, c) = ``coefficients``; a target outside
+    these columns adds no target term."""
+    classes = logits.shape[1]
+    u = _capped(logits, softcap)
+    row_max, row_sum = row_max_sum.to(torch.float64).unsqueeze(2)
+    at_all, at_target, per_class = coefficients.to(torch.float64).unsqueeze(2)
+    w = torch.ones(classes, dtype=torch.float64, device=u.device) if weight is None else weight.to(torch.float64)
+    columns = torch.arange(classes, device=u.device)
+    is_target = columns == target.unsqueeze(1)  # never true for a target outside these columns
+    grad_u = (u - row_max).exp() / row_sum * at_all - torch.where(is_target, at_target, 0.0) - per_class * w
+    grad_logits.copy_(grad_u * (1.0 - (u / softcap).square()) if softcap else grad_u)
 
 
 def scale(grad_logits, factor) -> None:

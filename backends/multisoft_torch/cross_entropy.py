@@ -60,11 +60,12 @@ def _log_sum_shifted(exponentials):
 
 
 def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float) -> None:
+            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
     """With u = softcap * tanh(x / softcap) (or x), per row: lse, loss (plus lse_square_scale * lse**2 when not
     ignored), row_weight, and when ``grad_logits`` is given, grad_scale[i] * d loss_i / d x, as
     p * a - (1 - eps) * w[t] at the target - eps / C * w with a = (1 - eps) * w[t] + eps / C * W + 2 * s * lse,
-    times 1 - (u / softcap)**2 under a softcap."""
+    times 1 - (u / softcap)**2 under a softcap. With ``row_stats`` also every row's max m of u, sum S of
+    exp(u - m) (0 for a row that is all -inf) and, under label smoothing, sum_j w_j * u_j (else 0)."""
     classes = logits.shape[1]
     keep, smooth_per_class = 1.0 - label_smoothing, label_smoothing / classes
     compute = lse.dtype
@@ -86,6 +87,9 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             # sum_c w[c] * (m - u[c]): every term >= 0, read before the exponentials may overwrite u
             shifted = torch.sub(row_max.unsqueeze(1), u, out=workspace.get("scratch", rows))
             shifted_smooth = shifted @ weight if weight is not None else shifted.sum(-1)
+        if row_stats is not None:
+            row_stats[0, rows] = row_max
+            row_stats[2, rows] = (u @ weight if weight is not None else u.sum(-1)) if label_smoothing else 0.0
         if direct:
             exponentials = grad_logits[rows]
         elif converted:
@@ -94,6 +98,9 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             exponentials = workspace.get("scratch", rows)
         torch.softmax(u, -1, out=exponentials)
         sums, log_sum = _log_sum_shifted(exponentials)
+        if row_stats is not None:
+            # the sum of exp(u - m) is the output's row sum over its largest element (see _log_sum_shifted)
+            row_stats[1, rows] = torch.where(row_max == float("-inf"), 0.0, sums / exponentials.amax(-1))
         # torch.logsumexp's value where the max is infinite (the shifted sum is NaN there)
         row_lse = torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)
         lse[rows] = row_lse
@@ -121,6 +128,40 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             else:
                 grad.sub_((g * smooth_per_class).unsqueeze(1))
         grad.scatter_add_(1, safe.unsqueeze(1), -at_target.unsqueeze(1))
+        if softcap:
+            grad.mul_(u.div_(softcap).square_().neg_().add_(1.0))
+        if not direct:
+            grad_logits[rows] = grad
+
+
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+    """For a slice of each row's classes, from the whole row's max m and sum S of exp(u - m):
+    grad_logits = du/dx * (a * exp(u - m) / S - b at the target - c * w), (a, b, c) = ``coefficients``; a
+    target outside these columns adds no target term. A chunk of rows at a time, in float32 (float64 for float64
+    statistics); in place when ``grad_logits`` is ``logits`` (each chunk is read before it is written)."""
+    classes = logits.shape[1]
+    compute = row_max_sum.dtype
+    workspace = _Workspace(logits, compute)
+    direct = grad_logits.dtype == compute
+    for rows in workspace.chunks:
+        x = workspace.rows_of(logits, rows)
+        if softcap:
+            u = torch.div(x, softcap, out=workspace.get("capped", rows)).tanh_().mul_(softcap)
+        else:
+            u = x
+        row_max, row_sum = row_max_sum[0, rows], row_max_sum[1, rows]
+        at_all, at_target, per_class = coefficients[:, rows]
+        # in place with the logits' dtype, grad and u (when uncapped) are the same memory: elementwise, so fine
+        grad = grad_logits[rows] if direct else workspace.get("scratch", rows)
+        torch.sub(u, row_max.unsqueeze(1), out=grad).exp_().mul_((at_all / row_sum).unsqueeze(1))
+        if weight is not None:
+            grad.addr_(per_class, weight, alpha=-1.0)
+        else:
+            grad.sub_(per_class.unsqueeze(1))
+        local_target = target[rows]
+        here = (local_target >= 0) & (local_target < classes)
+        safe = torch.where(here, local_target, 0).long()
+        grad.scatter_add_(1, safe.unsqueeze(1), torch.where(here, -at_target, 0.0).unsqueeze(1))
         if softcap:
             grad.mul_(u.div_(softcap).square_().neg_().add_(1.0))
         if not direct:

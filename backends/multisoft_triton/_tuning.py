@@ -51,6 +51,11 @@ CE_LOOP_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
 CE_LOOP_GRAD_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
 # Columns, and elements, of one program of the backward's scaling of the gradient (`scale`) (docs/tuning.md).
 CE_SCALE_BLOCK = 8192
+# The gradient of a slice of the classes from the whole row's statistics (`gradient`, vocabulary-parallel): most
+# columns of one program, and its elements (shorter rows share a program), by element size; warps_for gives each
+# thread 32 elements, eight 16-byte loads of float32 or four of 16-bit values in flight.
+CE_GRADIENT_BLOCK = {4: 4096, 2: 8192}
+CE_GRADIENT_ELEMENTS = {4: 4096, 2: 8192}
 
 # -- block-sparse softmax (blocksparse.py)
 

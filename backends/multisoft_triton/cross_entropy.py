@@ -7,6 +7,12 @@ row is streamed by one program, twice when the gradient is wanted (statistics, t
 from the row's end, whose chunks the first read last and L2 most likely still holds). A row is never split across
 programs: in place (grad_logits is logits) each program reads every element of its rows before writing any.
 A target outside [0, C) that is not ignore_index is never loaded; its loss and gradient row are NaN.
+
+With a `row_stats` buffer the forward also writes each row's max m and sum S of exp(u - m) and sum_j w_j u_j (a
+separate specialisation, WRITE_STATS): the statistics of a slice of the classes, which the front combines across
+ranks for vocabulary-parallel cross-entropy. `gradient` then writes that slice's gradient from the whole row's
+statistics, one elementwise sweep cut into tiles of rows x columns: it has no reduction, so a row of any length is
+shared among as many programs as it has tiles.
 """
 import triton
 import triton.language as tl
@@ -93,10 +99,22 @@ def _gradient_scales(lse, total, target_weight, valid, grad_scale, weight_sum, k
 
 
 @triton.jit
+def _store_row_stats(stats_ptr, stats_stride, rows, mask, row_max, total, weighted_sum):
+    """row_stats[:, rows] = (m, S, sum_j w_j u_j). m is the max as found (-inf for a row of -inf, whose S is 0); a
+    NaN among the logits, which makes S NaN but which the max may pass over, makes it NaN as torch's max is (an S
+    that is NaN from a +inf logit keeps m = +inf)."""
+    row_max = tl.where((total != total) & (row_max != float("inf")), float("nan"), row_max)
+    tl.store(stats_ptr + rows, row_max, mask=mask)
+    tl.store(stats_ptr + stats_stride + rows, total, mask=mask)
+    tl.store(stats_ptr + 2 * stats_stride + rows, weighted_sum, mask=mask)
+
+
+@triton.jit
 def _tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, grad_ptr, grad_scale_ptr,
-                 grad_scale_stride, M, C, ignore_index, keep, smooth_per_class, softcap, inv_softcap,
-                 lse_square_scale, ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                 SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr):
+                 grad_scale_stride, stats_ptr, stats_stride, M, C, ignore_index, keep, smooth_per_class, softcap,
+                 inv_softcap, lse_square_scale, ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                 SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                 WRITE_STATS: tl.constexpr):
     """ROWS whole rows of BLOCK (>= C) columns a program, held in registers from the one read to the gradient."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -112,7 +130,8 @@ def _tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weig
     if SOFTCAP:
         u = tl.where(mask, u, -float("inf"))
     u_target, _ = _capped(x_target, softcap, inv_softcap, SOFTCAP)
-    shift = safe_shift(tl.max(u, axis=1))
+    row_max = tl.max(u, axis=1)
+    shift = safe_shift(row_max)
     e = fast_exp(u - shift[:, None])
     total = tl.sum(e, axis=1)
     log_sum = tl.log(total)
@@ -131,6 +150,11 @@ def _tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weig
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     tl.store(loss_ptr + rows, loss, mask=row_mask)
     tl.store(row_weight_ptr + rows, target_weight, mask=row_mask)
+    if WRITE_STATS:
+        weighted_sum = tl.zeros((ROWS,), tl.float32)
+        if SMOOTH:
+            weighted_sum = tl.sum(tl.where(mask, w * u, 0.0), axis=1)
+        _store_row_stats(stats_ptr, stats_stride, rows, row_mask, row_max, total, weighted_sum)
     if WRITE_GRAD:
         grad_scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=row_mask, other=0.0)
         p_factor, target_factor, weight_factor = _gradient_scales(
@@ -147,9 +171,9 @@ def _tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weig
 
 @triton.jit
 def _loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weight_ptr, grad_ptr, grad_scale_ptr,
-                 grad_scale_stride, C, ignore_index, keep, smooth_per_class, softcap, inv_softcap, lse_square_scale,
-                 BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
-                 ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr):
+                 grad_scale_stride, stats_ptr, stats_stride, C, ignore_index, keep, smooth_per_class, softcap,
+                 inv_softcap, lse_square_scale, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, WRITE_STATS: tl.constexpr):
     """One row a program, streamed in chunks of BLOCK with an online logsumexp; with WRITE_GRAD streamed again,
     last chunk first, to write the gradient."""
     row = tl.program_id(0).to(tl.int64)
@@ -191,6 +215,11 @@ def _loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weig
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, loss)
     tl.store(row_weight_ptr + row, target_weight)
+    if WRITE_STATS:
+        weighted_sum = tl.zeros((), tl.float32)
+        if SMOOTH:
+            weighted_sum = shifted_sum + ref * weight_seen   # ref is the final shift, row_max
+        _store_row_stats(stats_ptr, stats_stride, row, row >= 0, run_max, run_sum, weighted_sum)
     if WRITE_GRAD:
         weight_sum = C * 1.0
         if HAS_WEIGHT:
@@ -238,24 +267,55 @@ def _scale_kernel(grad_ptr, factor_ptr, M, C, ROWS: tl.constexpr, BLOCK: tl.cons
             tl.store(grad_ptr + offsets, (grad * factor).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gradient_kernel(logits_ptr, target_ptr, weight_ptr, row_max_sum_ptr, coefficients_ptr, grad_ptr, M, C, softcap,
+                     inv_softcap, ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                     SOFTCAP: tl.constexpr):
+    """grad = du/dx * (a * exp(u - m) / S - b * [j == t] - c * w_j) over a tile of ROWS rows x BLOCK columns, each
+    element read, then written by the same thread (in place allowed). A target outside this tile's columns never
+    matches one of them; it is compared, never used as an index."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row_mask = rows < M
+    col_mask = cols < C
+    mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * C + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    row_max = tl.load(row_max_sum_ptr + rows, mask=row_mask, other=0.0)
+    total = tl.load(row_max_sum_ptr + M + rows, mask=row_mask, other=1.0)
+    p_factor = tl.load(coefficients_ptr + rows, mask=row_mask, other=0.0) / total
+    target_factor = tl.load(coefficients_ptr + M + rows, mask=row_mask, other=0.0)
+    weight_factor = tl.load(coefficients_ptr + 2 * M + rows, mask=row_mask, other=0.0)
+    u, du = _capped(x, softcap, inv_softcap, SOFTCAP)
+    grad = fast_exp(u - row_max[:, None]) * p_factor[:, None]
+    grad -= tl.where(cols[None, :] == target[:, None], target_factor[:, None], 0.0)
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        grad -= weight_factor[:, None] * w[None, :]
+    else:
+        grad -= weight_factor[:, None]
+    tl.store(grad_ptr + offsets, (grad * du).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
 def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index, label_smoothing,
-            softcap, lse_square_scale):
+            softcap, lse_square_scale, row_stats=None):
     """Per-row loss, logsumexp and weight of the (M, C) logits and, when grad_logits is given (it may be the logits
-    themselves), grad_scale[i] * dloss_i / dlogits into it."""
+    themselves), grad_scale[i] * dloss_i / dlogits into it; with row_stats (3, M), each row's m, S and
+    sum_j w_j u_j (0 without label smoothing) too."""
     M, C = logits.shape
     if M == 0:
         return
     smoothing = float(label_smoothing)
     keep, smooth_per_class = 1.0 - smoothing, smoothing / C
-    # a cap past float32's range (inf as a float32) is no cap: softcap * tanh(x / softcap) rounds to x for |x| < 1e35
-    capped = 0.0 < float(softcap) <= _FLOAT32_MAX
-    softcap = float(softcap) if capped else 1.0
+    capped, softcap = _capped_softcap(softcap)
     write_grad = grad_logits is not None
+    write_stats = row_stats is not None
     flags = dict(HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0.0, SOFTCAP=capped,
-                 ZLOSS=float(lse_square_scale) > 0.0, WRITE_GRAD=write_grad)
+                 ZLOSS=float(lse_square_scale) > 0.0, WRITE_GRAD=write_grad, WRITE_STATS=write_stats)
     args = (logits, target, weight if weight is not None else lse, loss, lse, row_weight,
             grad_logits if write_grad else lse, grad_scale if write_grad else lse,
-            grad_scale.stride(0) if write_grad else 0)
+            grad_scale.stride(0) if write_grad else 0, row_stats if write_stats else lse, M if write_stats else 0)
     options = (int(ignore_index), keep, smooth_per_class, softcap, 1.0 / softcap, float(lse_square_scale))
     block = next_power_of_2(C)
     with on_device(logits):
@@ -267,6 +327,30 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             configs = _tuning.CE_LOOP_GRAD_CONFIGS if write_grad else _tuning.CE_LOOP_CONFIGS
             loop_block, warps = configs[logits.element_size()]
             launch(_loop_kernel, (M,), *args, C, *options, BLOCK=loop_block, num_warps=warps, **flags, **LAUNCH)
+
+
+def _capped_softcap(softcap):
+    """(whether the logits are capped, the cap the kernels take): a cap past float32's range (inf as a float32) is
+    no cap, softcap * tanh(x / softcap) rounding to x for |x| < 1e35."""
+    capped = 0.0 < float(softcap) <= _FLOAT32_MAX
+    return capped, float(softcap) if capped else 1.0
+
+
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap):
+    """grad_logits[i, j] = du_j/dx_j * (a_i * exp(u_j - m_i) / S_i - b_i * [j == t_i] - c_i * w_j), (m, S) =
+    row_max_sum[:, i] of the whole row, (a, b, c) = coefficients[:, i]; a target outside [0, C) has no term here.
+    grad_logits may be logits itself."""
+    M, C = logits.shape
+    if M == 0 or C == 0:
+        return
+    capped, softcap = _capped_softcap(softcap)
+    block = min(next_power_of_2(C), _tuning.CE_GRADIENT_BLOCK[logits.element_size()])
+    rows = max(1, min(_tuning.CE_GRADIENT_ELEMENTS[logits.element_size()] // block, next_power_of_2(M)))
+    grid = (triton.cdiv(M, rows), triton.cdiv(C, block))
+    with on_device(logits):
+        launch(_gradient_kernel, grid, logits, target, weight if weight is not None else row_max_sum, row_max_sum,
+               coefficients, grad_logits, M, C, softcap, 1.0 / softcap, ROWS=rows, BLOCK=block,
+               HAS_WEIGHT=weight is not None, SOFTCAP=capped, num_warps=warps_for(rows * block), **LAUNCH)
 
 
 def scale(grad_logits, factor):

@@ -1,0 +1,294 @@
+"""Vocabulary-parallel cross-entropy: each rank of a process group holds a contiguous slice of every row's classes.
+
+Tensor-parallel training splits the output layer's classes across ranks, so each holds logits (M, V_r) for its
+slice. Every rank computes the loss of the whole rows, and its slice of their gradient, with one collective:
+
+1. The backend's forward reads the slice once (every target set to ``ignore_index``: its own loss is not used)
+   and writes each row's max m_r, sum S_r of exp(u - m_r) and sum a_r of w_j * u_j over this rank's columns
+   (``row_stats``). The rank that owns a row's target class picks its capped logit u_t (0 elsewhere).
+2. One all-gather of those 4 numbers a row, on torch's current stream (no host synchronisation). Every rank
+   then combines them alike: m = max m_r, S = sum S_r exp(m_r - m), lse = m + log S, a = sum a_r, u_t = sum.
+3. When a gradient is wanted, the backend's ``gradient`` writes this rank's slice of it from the whole row's
+   (m, S) and three coefficients a row, scaled as the unsplit forward scales it; autograd's backward only
+   multiplies it by the incoming gradient, as for the unsplit call. Nothing is communicated there, and besides
+   the gradient only O(M) state is kept (the logits too when a returned lse is differentiated).
+
+The ranks' widths place this rank's columns among the V classes; they are learned by one all-gather (the only
+host synchronisation) the first time a (group, local width) pair is seen, and cached.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import _validate
+from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _denominator, _empty_rows, _scale,
+                             _stats_dtype, as_rows, check_classes, check_weight, validate_arguments)
+from ._registry import get_backend, resolve_name
+
+_STATS_PER_ROW = 4   # m_r, S_r, a_r, u_t (or 0): what one rank sends of a row
+_CACHED_SLICES_LIMIT = 64
+
+
+class _Slice(NamedTuple):
+    """This rank's columns among the group's classes: [start, start + width) of ``total``."""
+    group: object
+    ranks: int
+    start: int
+    width: int
+    total: int
+
+
+class _Options(NamedTuple):
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    softcap: float
+    lse_square_scale: float
+
+
+_slices: dict[tuple, _Slice] = {}
+
+
+def _all_gather(output: torch.Tensor, local: torch.Tensor, group) -> None:
+    """Every rank's ``local`` stacked into ``output`` in group-rank order (torch >= 2.13 names it
+    all_gather_single, older releases all_gather_into_tensor)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
+
+
+def _slice_of(group, width: int, device: torch.device) -> _Slice:
+    """This rank's slice of the classes: the first time a (group, local width) pair is seen every rank's width is
+    gathered (one collective and one host synchronisation), then cached."""
+    key = (group, width)
+    cached = _slices.get(key)
+    if cached is None:
+        ranks = dist.get_world_size(group)
+        widths = torch.empty(ranks, dtype=torch.int64, device=device)
+        _all_gather(widths, torch.tensor([width], dtype=torch.int64, device=device), group)
+        widths = widths.tolist()
+        rank = dist.get_rank(group)
+        cached = _Slice(group, ranks, sum(widths[:rank]), width, sum(widths))
+        if len(_slices) >= _CACHED_SLICES_LIMIT:
+            _slices.clear()
+        _slices[key] = cached
+    return cached
+
+
+def _check_group(process_group) -> None:
+    if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(process_group).__name__}")
+    if dist.get_rank(process_group) < 0:
+        raise ValueError("process_group does not contain this process (its rank there is -1)")
+
+
+def _replicated_local(tensor, name: str):
+    """A DTensor ``target`` or ``weight`` must be replicated: its local tensor is all of it."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if not all(isinstance(placement, Replicate) for placement in tensor.placements):
+        raise ValueError(f"{name} as a DTensor must be replicated (placements Replicate()), got "
+                         f"{tensor.placements}")
+    return tensor.to_local()
+
+
+def _from_dtensor(logits, target, weight, process_group):
+    """A DTensor ``logits`` sharded on its class dimension over a 1-D mesh: (local shard, target, weight, the
+    mesh's group); plain tensors pass through."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(logits, DTensor):
+        for name, tensor in (("target", target), ("weight", weight)):
+            if isinstance(tensor, DTensor):
+                raise ValueError(f"{name} is a DTensor but logits is not: pass plain tensors with process_group, "
+                                 f"or logits as a DTensor sharded on its class dimension")
+        return logits, target, weight, process_group
+    mesh, placements = logits.device_mesh, logits.placements
+    class_dim = 1 if logits.ndim >= 2 else 0
+    sharded = (mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard()
+               and logits.ndim > 0 and placements[0].dim % logits.ndim == class_dim)
+    if not sharded:
+        raise ValueError(f"logits as a DTensor must be sharded on its class dimension (placements "
+                         f"(Shard({class_dim}),)) over a 1-D device mesh; got placements {placements} on a "
+                         f"{mesh.ndim}-D mesh")
+    group = mesh.get_group()
+    if process_group is not None and (dist.get_process_group_ranks(process_group)
+                                      != dist.get_process_group_ranks(group)):
+        raise ValueError("process_group is not the group of the logits' device mesh: leave it None for a DTensor")
+    return logits.to_local(), _replicated_local(target, "target"), _replicated_local(weight, "weight"), group
+
+
+def _row_statistics(rows_2d, target, local_weight, layout: _Slice, options: _Options, backend):
+    """Pass 1 and the all-gather: (P, 4, M) of every rank's m_r, S_r, a_r and u_t (or 0), and the local
+    targets (-1 where this rank does not own the row's target class, or the row is ignored). ``local_weight``
+    is this rank's slice of the class weights."""
+    rows, dtype, device = rows_2d.shape[0], _stats_dtype(rows_2d.dtype), rows_2d.device
+    # this rank's part of the gather, then scratch for the loss, lse and row weights the forward also writes
+    local = torch.empty((_STATS_PER_ROW + 3, rows), dtype=dtype, device=device)
+    local_target = target - layout.start
+    owned = (local_target >= 0) & (local_target < layout.width) & (target != options.ignore_index)
+    if layout.width:
+        every_row_ignored = torch.full((rows,), options.ignore_index, dtype=torch.int64, device=device)
+        scratch_loss, scratch_lse, scratch_row_weight = local[_STATS_PER_ROW:]
+        get_backend(backend).kernels("cross_entropy").forward(
+            rows_2d, every_row_ignored, local_weight, scratch_loss, scratch_lse, scratch_row_weight, None, None,
+            options.ignore_index, options.label_smoothing, options.softcap, 0.0, row_stats=local[:3])
+        picked = rows_2d.detach().gather(1, local_target.clamp(0, layout.width - 1).long().unsqueeze(1))
+        picked = picked.squeeze(1).to(dtype)
+        if options.softcap:
+            picked = torch.tanh(picked / options.softcap) * options.softcap
+        local[3] = torch.where(owned, picked, 0.0)
+    else:
+        local[0].fill_(float("-inf"))  # no classes here: m_r = -inf adds nothing to the combine
+        local[1:_STATS_PER_ROW].zero_()
+    gathered = torch.empty((layout.ranks * _STATS_PER_ROW, rows), dtype=dtype, device=device)
+    _all_gather(gathered, local[:_STATS_PER_ROW], layout.group)
+    return gathered.view(layout.ranks, _STATS_PER_ROW, rows), torch.where(owned, local_target, -1)
+
+
+def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend, want_grad, grad_logits=None):
+    """(loss reduced, lse, the whole rows' (2, M) max and sum, grad_logits or None): pass 1, the gather, the
+    combine, and with ``want_grad`` pass 2 into ``grad_logits`` (a new buffer when None)."""
+    dtype = _stats_dtype(rows_2d.dtype)
+    local_weight = weight[layout.start:layout.start + layout.width] if weight is not None else None
+    stats, local_target = _row_statistics(rows_2d, target, local_weight, layout, options, backend)
+    rank_max, rank_sum, rank_smooth, rank_target_logit = stats.unbind(1)
+    row_max = rank_max.amax(0)
+    # a rank whose slice of a row is all -inf adds nothing (its S_r may be 0 or NaN there)
+    row_sum = torch.where(rank_max == float("-inf"), 0.0, rank_sum * (rank_max - row_max).exp()).sum(0)
+    log_sum = row_sum.log()
+    lse = torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)  # torch.logsumexp's value there
+    target_logit = rank_target_logit.sum(0)
+
+    eps, classes = options.label_smoothing, layout.total
+    ignored = target == options.ignore_index
+    valid = (target >= 0) & (target < classes)
+    target_weight = weight[torch.where(valid, target, 0).long()] if weight is not None else None
+    weight_sum = weight.sum() if weight is not None else float(classes)
+    keep = (1.0 - eps) * target_weight if target_weight is not None else 1.0 - eps
+    # lse - u_t and W lse - a with m kept apart from log S, as the unsplit forward keeps them
+    per_row = keep * ((row_max - target_logit) + log_sum)
+    if eps:
+        per_row = per_row + eps / classes * ((weight_sum * row_max - rank_smooth.sum(0)) + weight_sum * log_sum)
+    if options.lse_square_scale:
+        per_row = per_row + options.lse_square_scale * lse.square()
+    loss_rows = torch.where(ignored, 0.0, torch.where(valid, per_row, float("nan")))
+    denominator = None
+    if options.reduction == "none":
+        loss = loss_rows
+    elif options.reduction == "sum":
+        loss = loss_rows.sum()
+    else:
+        denominator = _denominator(target, weight, options.ignore_index, classes, dtype)
+        loss = loss_rows.sum() / denominator
+    row_max_sum = torch.stack((row_max, row_sum))
+    if not want_grad:
+        return loss, lse, row_max_sum, None
+
+    # the unsplit forward's grad_scale (a mean's 1 / denominator, else 1), NaN for a target outside the classes
+    one = torch.ones((), dtype=dtype, device=lse.device)
+    grad_scale = torch.where(valid, denominator.reciprocal() if denominator is not None else one, float("nan"))
+    at_target = grad_scale * keep
+    at_all = at_target + grad_scale * (eps / classes * weight_sum)
+    if options.lse_square_scale:
+        at_all = at_all + grad_scale * (2.0 * options.lse_square_scale * lse)
+    per_class = grad_scale * (eps / classes)
+    coefficients = torch.where(ignored, 0.0, torch.stack((at_all, at_target, per_class)))
+    if grad_logits is None:
+        grad_logits = torch.empty_like(rows_2d)
+    if layout.width:
+        get_backend(backend).kernels("cross_entropy").gradient(
+            rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits,
+            options.softcap)
+    return loss, lse, row_max_sum, grad_logits
+
+
+def _lse_gradient(logits, grad_lse, row_max_sum, softcap):
+    """d (sum_i grad_lse[i] * lse_i) / d logits for this rank's columns, in float32 (float64 for float64 logits)
+    torch ops: grad_lse[i] * p * du/dx with p from the whole row's max and sum."""
+    u = logits.to(_stats_dtype(logits.dtype))
+    if softcap:
+        u = torch.tanh(u / softcap).mul_(softcap)
+    row_max, row_sum = row_max_sum.unsqueeze(2)
+    part = (u - row_max).exp_().mul_(grad_lse.reshape(-1, 1) / row_sum)
+    if softcap:
+        part.mul_(u.div_(softcap).square_().neg_().add_(1.0))
+    return part
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The forward computes this rank's slice of the gradient with the loss; the backward only scales it (and adds
+    the returned lse's part, from the whole rows' max and sum), communicating nothing."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, layout, options, backend, return_lse, inplace):
+        loss, lse, row_max_sum, grad_logits = _forward(logits, target, weight, layout, options, backend, True,
+                                                       grad_logits=logits if inplace else None)
+        if inplace:
+            # written through the backend, not autograd: any op that saved the logits' old values must raise
+            torch.autograd.graph.increment_version(logits)
+            grad_logits = logits.detach()
+        ctx.buffer, ctx.backend, ctx.softcap, ctx.inplace = grad_logits, backend, options.softcap, inplace
+        ctx.set_materialize_grads(False)
+        if not return_lse:
+            ctx.mark_non_differentiable(lse)
+        elif not inplace:
+            ctx.save_for_backward(logits, row_max_sum)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad, grad_lse):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        grad_logits, ctx.buffer = ctx.buffer, None
+        if grad_logits is None:
+            raise RuntimeError(_SECOND_BACKWARD)
+        grad_logits = None if grad is None else _scale(grad_logits, grad, ctx.backend)
+        if grad_lse is not None:
+            if ctx.inplace:
+                raise RuntimeError(_INPLACE_LSE)
+            logits, row_max_sum = ctx.saved_tensors
+            part = _lse_gradient(logits, grad_lse, row_max_sum, ctx.softcap)
+            grad_logits = part.to(logits.dtype) if grad_logits is None else grad_logits.add_(part)
+        return grad_logits, None, None, None, None, None, None, None
+
+
+@torch.compiler.disable
+def cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, *, lse_square_scale, softcap,
+                  return_lse, backend, inplace_backward, process_group):
+    """``multisoft.cross_entropy`` with ``process_group`` given or a DTensor ``logits``: see its docstring."""
+    logits, target, weight, process_group = _from_dtensor(logits, target, weight, process_group)
+    _check_group(process_group)
+    classes, label_smoothing, lse_square_scale, softcap, probabilities = validate_arguments(
+        logits, target, None, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_lse,
+        inplace_backward, sliced=True)
+    if probabilities:
+        raise ValueError("target must hold class indices (int64 or int32) with process_group: class-probability "
+                         "targets are not supported for a slice of the classes")
+    backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend))
+    layout = _slice_of(process_group, classes, logits.device)
+    check_classes(layout.total, logits, target)
+    check_weight(weight, layout.total, logits)  # all V classes, every rank's slice
+    stats_dtype = _stats_dtype(logits.dtype)
+    rows_2d, flat_target = as_rows(logits, target)
+    if weight is not None:
+        weight = weight.to(stats_dtype).contiguous()
+    options = _Options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)
+    if flat_target.numel() == 0:
+        loss, lse = _empty_rows(rows_2d, reduction, stats_dtype)
+    elif rows_2d.requires_grad and torch.is_grad_enabled():
+        loss, lse = _VocabParallelCrossEntropy.apply(rows_2d, flat_target, weight, layout, options, backend,
+                                                     return_lse, inplace_backward)
+    else:
+        loss, lse, _, _ = _forward(rows_2d, flat_target, weight, layout, options, backend, False)
+    if reduction == "none" and logits.ndim != 2:
+        loss = loss.reshape(target.shape)
+    if not return_lse:
+        return loss
+    return loss, lse.reshape(target.shape) if logits.ndim != 2 else lse
