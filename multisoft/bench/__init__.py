@@ -11,11 +11,15 @@ the kernel time (the GPU's work, host time hidden) and the eager wall time
 a fraction of a device-to-device copy measured in the same run. Also: peak
 memory of cross-entropy forward+backward, the first (compiling) call of each
 backend, and the host time a call of each implementation on a tiny tensor.
-Writes CSV files, ``results.md`` and PNG plots.
+Asked for by name (``--ops linear_cross_entropy``): fused linear cross-entropy's
+forward+backward against its three matrix products, with peak memory and
+errors against float64, next to torch's, Liger-Kernel's and Cut
+Cross-Entropy's. Writes CSV files, ``results.md`` and PNG plots.
 
 Modules: ``plan`` (ops, shapes, layouts, bytes), ``timing`` (the timers),
 ``impls`` (what is compared), ``run`` (one run), ``host_time`` (the host time a
-call), ``progress``, ``records`` (the CSV and JSON files), ``report``
+call), ``linear`` and ``linear_report`` (fused linear cross-entropy: its run
+and its section of results.md), ``progress``, ``records`` (the CSV and JSON files), ``report``
 (results.md, the targets), ``headline`` (its headline summary and host time
 tables), ``cells`` (how a record reads in a table), ``plots``, ``command`` (the
 command line).

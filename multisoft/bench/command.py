@@ -21,7 +21,8 @@ def parse_args(argv: list[str], prog: str = "python -m multisoft bench") -> argp
         description="Time every op on every backend (and torch / Liger-Kernel as peers) against the copy "
                     "bandwidth; write CSV, Markdown and PNG plots. Needs a CUDA GPU.")
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: %(default)s)")
-    parser.add_argument("--ops", help=f"comma-separated ops (default: all of {', '.join(plan.OPS)})")
+    parser.add_argument("--ops", help=f"comma-separated ops (default: all of {', '.join(plan.OPS)}; also "
+                                      f"{', '.join(plan.EXTRA_OPS)} (alias lce), timed only when named)")
     parser.add_argument("--backends", help="comma-separated backends (default: all that can run here, but those "
                                            "selectable only by name)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated of fp32, bf16, fp16 "
@@ -33,7 +34,8 @@ def parse_args(argv: list[str], prog: str = "python -m multisoft bench") -> argp
                       help="the headline cells only (softmax fp32 32768x1024 and bf16 16384x4096, cross_entropy "
                            "bf16 and fp32 8192x32000; forward and forward+backward), and the host time a call")
     parser.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
-    parser.add_argument("--no-peers", action="store_true", help="do not time torch's or Liger-Kernel's ops")
+    parser.add_argument("--no-peers", action="store_true", help="do not time torch's, Liger-Kernel's or Cut "
+                                                                "Cross-Entropy's ops")
     parser.add_argument("--timer", choices=("do_bench", "queued"), default="queued",
                         help="how the kernel time is taken: queued: CUDA events with the GPU held busy while the host "
                              "queues the calls, so host time is not timed; do_bench: triton.testing.do_bench, host "
@@ -50,7 +52,8 @@ def parse_args(argv: list[str], prog: str = "python -m multisoft bench") -> argp
                         help="time nothing: write results.md (and the plots) again from the CSV files and "
                              f"{ENVIRONMENT_FILE} in --out, e.g. after editing --shortfalls")
     args = parser.parse_args(argv)
-    args.ops = _choices(args.ops, plan.OPS, plan.OP_ALIASES, "op", parser) if args.ops else list(plan.OPS)
+    args.ops = (_choices(args.ops, plan.OPS + plan.EXTRA_OPS, plan.OP_ALIASES, "op", parser) if args.ops
+                else list(plan.OPS))
     args.dtypes = _choices(args.dtypes, tuple(plan.DTYPES), plan.DTYPE_ALIASES, "dtype", parser)
     if args.fp16 and "fp16" not in args.dtypes:
         args.dtypes.append("fp16")

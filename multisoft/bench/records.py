@@ -12,6 +12,7 @@ from typing import get_type_hints
 
 ENVIRONMENT_FILE = "environment.json"
 HOST_TIME_FILE = "host_time.csv"
+LINEAR_FILE = "linear_cross_entropy.csv"
 COPY_AT_END = "copy bandwidth at the end"  # an environment entry: the long copy measured again after the run
 BYTES_COUNTED = "bytes counted"  # an environment entry: how the run counted each op's bytes (plan.bytes_counted)
 
@@ -80,6 +81,37 @@ class HostTime:
 
 
 @dataclasses.dataclass
+class LinearRecord:
+    """One implementation's forward+backward of a mean fused linear cross-entropy (M x H hidden states, V x H
+    weight) into the gradients of both: its time, its peak memory beyond the inputs (None off a GPU) and its
+    error against a float64 reference, each divided by the reference's largest absolute value."""
+
+    impl: str
+    role: str  # "floor" (the three matrix products alone), "backend" or "peer"
+    dtype: str
+    shape: str  # "MxHxV"
+    ms: float | None = None
+    of_products: float | None = None  # ms / the products' ms of the same case
+    extra_gib: float | None = None  # peak memory beyond what was allocated before the step, gradients included
+    gradients_gib: float = 0.0  # the two gradients' bytes
+    logits_gib: float = 0.0  # M·V × element size
+    loss_error: float | None = None
+    grad_input_error: float | None = None
+    grad_weight_error: float | None = None
+    note: str = ""
+
+    @property
+    def beyond_gradients_gib(self) -> float | None:
+        return None if self.extra_gib is None else self.extra_gib - self.gradients_gib
+
+    @property
+    def of_logits(self) -> float | None:
+        """The memory beyond the gradients as a fraction of the logits' size."""
+        beyond = self.beyond_gradients_gib
+        return None if beyond is None or not self.logits_gib else beyond / self.logits_gib
+
+
+@dataclasses.dataclass
 class Results:
     environment: dict
     copy_gb_per_s: float | None
@@ -87,6 +119,7 @@ class Results:
     memory: list[MemoryRecord] = dataclasses.field(default_factory=list)
     first_calls: list[FirstCall] = dataclasses.field(default_factory=list)
     host_times: list[HostTime] = dataclasses.field(default_factory=list)
+    linear: list[LinearRecord] = dataclasses.field(default_factory=list)
 
 
 def describe_error(error: BaseException) -> str:
@@ -164,8 +197,8 @@ def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
 
 
 def write_records(results: Results, out: Path) -> list[Path]:
-    """timings.csv, environment.json and, where there are such records, memory.csv, first_calls.csv and
-    host_time.csv in ``out``; the paths written."""
+    """timings.csv, environment.json and, where there are such records, memory.csv, first_calls.csv,
+    host_time.csv and linear_cross_entropy.csv in ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [write_csv(out / "timings.csv", results.timings)]
     environment_path = out / ENVIRONMENT_FILE
@@ -178,6 +211,10 @@ def write_records(results: Results, out: Path) -> list[Path]:
         paths.append(write_csv(out / "first_calls.csv", results.first_calls))
     if results.host_times:
         paths.append(write_csv(out / HOST_TIME_FILE, results.host_times, {"front_us": lambda row: row.front_us}))
+    if results.linear:
+        paths.append(write_csv(out / LINEAR_FILE, results.linear,
+                               {"beyond_gradients_gib": lambda row: row.beyond_gradients_gib,
+                                "of_logits": lambda row: row.of_logits}))
     return paths
 
 
@@ -206,7 +243,7 @@ def read_results(out: Path) -> Results:
     saved = json.loads(environment_path.read_text())
     results = Results(saved["environment"], saved["copy_gb_per_s"], _read_csv(out / "timings.csv", Timing))
     for name, file, record in (("memory", "memory.csv", MemoryRecord), ("first_calls", "first_calls.csv", FirstCall),
-                               ("host_times", HOST_TIME_FILE, HostTime)):
+                               ("host_times", HOST_TIME_FILE, HostTime), ("linear", LINEAR_FILE, LinearRecord)):
         if (out / file).exists():
             setattr(results, name, _read_csv(out / file, record))
     return results

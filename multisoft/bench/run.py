@@ -1,5 +1,6 @@
 """One benchmark run: every case of the plan on every implementation (its kernel time and its eager wall time),
-then peak memory, the host time a call and the environment, with a progress bar."""
+then peak memory, fused linear cross-entropy (when asked for), the host time a call and the environment, with a
+progress bar."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import host_time, impls, plan, timing
+from . import host_time, impls, linear, plan, timing
 from .impls import Impl
 from .progress import Progress
 from .records import BYTES_COUNTED, COPY_AT_END, FirstCall, MemoryRecord, Results, Timing, describe_error
@@ -218,12 +219,20 @@ def run(args) -> Results:
                                   fraction_of_copy=1.0))
     cases = plan.plan_cases(args.ops, args.quick, args.headline)
     results.timings += same_bytes_copies(runner, cases, args.dtypes, results.copy_gb_per_s)
+    linear_shapes = linear.cases(args.quick) if linear.OP in args.ops and not args.headline else []
+    linear_impls = []
+    if linear_shapes:
+        linear_impls, linear_notes = linear.choose_impls(backends, not args.no_peers)
+        results.environment.update(linear_notes)
+        results.environment["linear_cross_entropy timing"] = linear.TIMING
     memory_cases = [] if args.headline else cases.get("cross_entropy", [])
     memory_impls = [impl for impl in chosen if "cross_entropy" in impl.ops]
     total = sum(len(case_dtypes(case, args.dtypes)) * len([i for i in chosen if op in i.ops])
                 for op, op_cases in cases.items() for case in op_cases)
     total += len(memory_cases) * len(args.dtypes) * len(memory_impls)
-    runner.progress = Progress(total + 1)
+    total += len(linear_shapes) * len(args.dtypes) * (1 + len(linear_impls))
+    host_timed = any(op in plan.OPS for op in args.ops)  # the host time a call of softmax and cross-entropy
+    runner.progress = Progress(total + host_timed)
     try:
         for op_cases in cases.values():
             for dtype_name in args.dtypes:
@@ -233,8 +242,10 @@ def run(args) -> Results:
         for dtype_name in args.dtypes:
             for case in memory_cases:
                 _run_memory(runner, memory_impls, case, dtype_name, results)
-        runner.progress.step("host time a call")
-        results.host_times = host_time.measure_host_times(runner, chosen)
+        results.linear = linear.run_cases(runner, linear_impls, linear_shapes, args.dtypes, timing.long_call_ms)
+        if host_timed:
+            runner.progress.step("host time a call")
+            results.host_times = host_time.measure_host_times(runner, chosen)
     finally:
         runner.progress.close()
     results.environment[COPY_AT_END] = f"{plan.gb_per_s(2 * plan.COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"

@@ -153,6 +153,25 @@ def event_bench(fn: Callable, warmup: float, rep: float) -> float:
     return statistics.median(_events_times(fn, flush, max(1, int(rep / estimate)))[0])
 
 
+LONG_CALL_REP_MS = 1000.0
+LONG_CALL_COUNTS = (3, 10)  # the fewest and the most calls long_call_ms times
+
+
+def long_call_ms(fn: Callable, rep: float = LONG_CALL_REP_MS) -> float:
+    """Median CUDA-event time of a long call (tens of milliseconds to seconds: a training step of a model's last
+    layer), the L2 cache flushed before each: a warm-up call, one call that sizes the count, then as many calls as
+    fit in ``rep`` ms, within LONG_CALL_COUNTS. queued_bench's 17 calls or more of a one-second call would take
+    most of a run; and the GPU's work on a call this long hides the host's launching of the next one (unless the
+    call synchronises inside, when the host is timed too, as it is then in any training step)."""
+    import torch
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    estimate = max(_events_times(fn, flush, 1)[0][0], 1e-3)
+    fewest, most = LONG_CALL_COUNTS
+    return statistics.median(_events_times(fn, flush, max(fewest, min(most, int(rep / estimate))))[0])
+
+
 def wall_us_per_call(fn: Callable, calls: int) -> float:
     """Host wall-clock microseconds per call over ``calls`` calls (after 20 unmeasured), synchronised only
     before the first and after the last."""
