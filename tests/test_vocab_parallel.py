@@ -226,7 +226,6 @@ def _dtensor(report, ranks, backend, device):
     mesh = init_device_mesh(device.type, (len(ranks.widths),))
     spec = CASES["everything"]
     whole, target, weight = _inputs(spec, torch.float32, ranks.widths, device, 41)
-    columns = torch.arange(whole.shape[1]).chunk(len(ranks.widths))[ranks.rank].to(device)
     for placement in (Shard(1), Shard(-1)):
         sharded = distribute_tensor(whole, mesh, [placement]).requires_grad_()
         options = _options(spec, weight, "mean")
@@ -237,8 +236,9 @@ def _dtensor(report, ranks, backend, device):
         assert_close(loss, expected, torch.float32, f"DTensor {placement}: loss")
         loss.backward()
         (expected_grad,) = torch.autograd.grad(expected, logits64)
-        assert_close(sharded.grad.to_local(), expected_grad[:, columns], torch.float32,
-                     f"DTensor {placement}: gradient")
+        # torch 2.13 hands back a gradient sharded as the logits are, torch 2.11 a replicated one: compare the
+        # whole gradient either way
+        assert_close(sharded.grad.full_tensor(), expected_grad, torch.float32, f"DTensor {placement}: gradient")
     replicated = distribute_tensor(whole, mesh, [Replicate()])
     _raises(ValueError, "sharded on its class dimension", multisoft.cross_entropy, replicated, target)
     _raises(ValueError, "target is a DTensor but logits is not", multisoft.cross_entropy, ranks.part(whole),
