@@ -9,9 +9,9 @@ backward, which only multiplies it by the incoming gradient (nothing at all when
 that is one value of 1, as for ``loss.backward()``). Besides that buffer only
 O(rows) state is kept; the logits are not (except with ``return_lse``). So a
 graph can be differentiated once: a second backward, or a double backward,
-raises. Class-probability targets are computed with differentiable torch ops
-(float32 inside, float64 on the ``reference`` backend) until the backends have
-kernels for them.
+raises. Class-probability targets take the same path through the backends'
+``probabilities_forward``; only a target that itself requires grad is computed
+with differentiable torch ops instead (its gradient is then torch's).
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 _ones: dict[tuple, torch.Tensor] = {}
 
 
-def _broadcast_ones(rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A (rows,) view at stride 0 of one cached 1 (no allocation per call): sum's and none's grad_scale. Not
-    cached when first asked for while a CUDA graph is being captured (the fill would not have run)."""
-    key = (rows, dtype, device)
+def _broadcast_ones(rows: int, dtype: torch.dtype, device: torch.device, value: float = 1.0) -> torch.Tensor:
+    """A (rows,) view at stride 0 of one cached ``value`` (no allocation per call): sum's and none's grad_scale
+    (1), or a mean's over class-probability targets (1 / rows). Not cached when first asked for while a CUDA
+    graph is being captured (the fill would not have run)."""
+    key = (rows, dtype, device, value)
     ones = _ones.get(key)
     if ones is None:
         with torch.inference_mode(False):
-            ones = torch.ones(1, dtype=dtype, device=device).expand(rows)
+            ones = torch.full((1,), value, dtype=dtype, device=device).expand(rows)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return ones
         if len(_ones) >= _CACHED_ONES_LIMIT:
@@ -71,6 +72,9 @@ def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softc
     with ``separate`` (a custom op's outputs must not alias) three. With ``want_grad`` the gradient is written
     into ``grad_logits`` (a new buffer when None) scaled by the reduction's grad_scale."""
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
+    if target.is_floating_point():
+        return _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse_square_scale, backend,
+                                      reduction, want_grad, separate)
     if separate:
         loss_rows, row_weight, lse = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(3))
     else:
@@ -94,6 +98,30 @@ def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softc
     else:
         loss = torch.div(loss_rows.sum(), denominator)
     return loss, lse, grad_logits if want_grad else None
+
+
+def _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse_square_scale, backend, reduction,
+                           want_grad, separate):
+    """_kernel_forward of class-probability targets (M, C), of the logits' dtype: the backend's
+    probabilities_forward; a mean divides by the number of rows, as torch's does for probabilities."""
+    rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
+    if separate:
+        loss_rows, lse = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(2))
+    else:
+        loss_rows, lse = torch.empty((2, rows), dtype=dtype, device=logits.device).unbind()
+    grad_logits = grad_scale = None
+    if want_grad:
+        grad_scale = _broadcast_ones(rows, dtype, logits.device, 1.0 / rows if reduction == "mean" else 1.0)
+        grad_logits = torch.empty_like(logits)
+    get_backend(backend).kernels("cross_entropy").probabilities_forward(
+        logits, target, weight, loss_rows, lse, grad_logits, grad_scale, label_smoothing, softcap, lse_square_scale)
+    if reduction == "none":
+        loss = loss_rows
+    elif reduction == "sum":
+        loss = loss_rows.sum()
+    else:
+        loss = torch.div(loss_rows.sum(), rows)
+    return loss, lse, grad_logits
 
 
 def _scale(grad_logits, grad, backend):
@@ -365,9 +393,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     if probabilities:
         if inplace_backward:
             raise ValueError("inplace_backward=True is not supported with class-probability targets")
-        loss, lse = _probability_targets(logits, target, weight, reduction, label_smoothing, softcap,
-                                         lse_square_scale, backend)
-        return (loss, lse) if return_lse else loss
+        if target.requires_grad and torch.is_grad_enabled():
+            loss, lse = _probability_targets(logits, target, weight, reduction, label_smoothing, softcap,
+                                             lse_square_scale, backend)
+            return (loss, lse) if return_lse else loss
+        logits, target = _probability_dtypes(logits, target)
     stats_dtype = _stats_dtype(logits.dtype)
     rows_2d, flat_target = as_rows(logits, target)
     if weight is not None:
@@ -386,20 +416,41 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     else:
         loss, lse, _ = _kernel_forward(rows_2d, flat_target, weight, ignore_index, label_smoothing, softcap,
                                        lse_square_scale, backend, reduction, False)
+    row_shape = logits.shape[:1] + logits.shape[2:] if logits.ndim >= 2 else torch.Size()  # index targets' shape
     if reduction == "none" and logits.ndim != 2:
-        loss = loss.reshape(target.shape)
+        loss = loss.reshape(row_shape)
     if not return_lse:
         return loss
-    return loss, lse.reshape(target.shape) if logits.ndim != 2 else lse
+    return loss, lse.reshape(row_shape) if logits.ndim != 2 else lse
 
 
 def as_rows(logits, target):
-    """(logits as contiguous (rows, C), targets as contiguous (rows,)): the class dimension moved last."""
-    if logits.ndim == 2:
-        return logits.contiguous(), target.contiguous()
-    if logits.ndim == 1:
-        return logits.unsqueeze(0), target.reshape(1)
-    return logits.movedim(1, -1).reshape(-1, logits.shape[1]).contiguous(), target.reshape(-1).contiguous()
+    """(logits as contiguous (rows, C), targets as contiguous (rows,), or (rows, C) for class probabilities): the
+    class dimension moved last."""
+    if target.is_floating_point():
+        return _class_last(logits), _class_last(target)
+    return _class_last(logits), target.reshape(-1).contiguous()
+
+
+def _class_last(tensor):
+    """A (C,), (N, C) or (N, C, d1, ...) tensor as contiguous (rows, C)."""
+    if tensor.ndim == 2:
+        return tensor.contiguous()
+    if tensor.ndim == 1:
+        return tensor.unsqueeze(0)
+    return tensor.movedim(1, -1).reshape(-1, tensor.shape[1]).contiguous()
+
+
+def _probability_dtypes(logits, target):
+    """(logits, target) of one dtype, as the kernels take them: the logits' own where the target's converts to
+    it without loss, else float32 (16-bit logits with a wider target: the logits are converted, a copy, and their
+    gradient converted back by autograd); float32 logits take a float64 target rounded to float32."""
+    if target.dtype == logits.dtype:
+        return logits, target
+    common = torch.promote_types(logits.dtype, target.dtype)
+    if common == logits.dtype or common == torch.float64:
+        return logits, target.to(logits.dtype)
+    return logits.to(common), target.to(common)
 
 
 def _is_dtensor(tensor) -> bool:
@@ -409,7 +460,8 @@ def _is_dtensor(tensor) -> bool:
 
 
 def _probability_targets(logits, target, weight, reduction, label_smoothing, softcap, lse_square_scale, backend):
-    """(loss, lse) of class-probability targets in differentiable torch ops, computed in float32 (float64 for
+    """(loss, lse) of class-probability targets that require grad themselves (soft labels being learned), in
+    differentiable torch ops, computed in float32 (float64 for
     float64 logits or on the ``reference`` backend): ``-sum_c w[c] * q[c] * log_softmax(u)[c] + s * lse(u)**2``
     per row with ``q = (1 - eps) * target + eps / C`` and u the capped logits; a mean divides by the number of
     rows, as torch does."""

@@ -75,6 +75,22 @@ def _softmax_backward_terms(y, dy, dim, log):
     return y64 * (dy64 - total), y64.abs() * (dy64.abs() + size)
 
 
+def reference_slice_gradient(logits, target, weight, row_max_sum, coefficients, softcap=0.0):
+    """The backends' ``gradient`` of a slice of each row's classes in float64, and its terms' size (the magnitude
+    ``assert_close`` takes): ``du/dx * (a exp(u - m) / S - b [j == t] - c w_j)`` with ``(m, S) = row_max_sum`` as
+    given (the whole rows'), ``(a, b, c) = coefficients``, and no target term for a target outside [0, C)."""
+    x = logits.detach().double()
+    classes = x.shape[1]
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
+    m, total = row_max_sum.double()
+    a, b, c = coefficients.double()
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
+    is_target = (torch.arange(classes, device=x.device)[None, :] == target.long()[:, None]).double()
+    terms = (a[:, None] * torch.exp(u - m[:, None]) / total[:, None], b[:, None] * is_target, c[:, None] * w)
+    return du * (terms[0] - terms[1] - terms[2]), du.abs() * sum(term.abs() for term in terms)
+
+
 def reference_cross_entropy(logits, target, *, weight=None, ignore_index=-100, reduction="mean",
                             label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_lse=False):
     """multisoft.cross_entropy in float64: ``F.cross_entropy`` of the capped logits

@@ -70,3 +70,33 @@ def one_large_test_at_a_time():
             if free < LARGE_GIB << 30:
                 pytest.skip(f"needs {LARGE_GIB} GiB of free GPU memory, has {free / 2**30:.0f}")
             yield
+
+
+@pytest.fixture
+def cross_entropy_calls(monkeypatch):
+    """(kernel name, its arguments) of every cross-entropy ``forward`` and ``probabilities_forward`` call, on any
+    backend: what the front hands the kernels (which buffer, which dtype, a gradient or None)."""
+    from multisoft import _registry
+
+    calls = []
+    real = _registry.Backend.kernels
+
+    def recording(module, name):
+        def call(*args, **kwargs):
+            calls.append((name, args))
+            return getattr(module, name)(*args, **kwargs)
+        return call
+
+    def kernels(self, op):
+        module = real(self, op)
+        if op != "cross_entropy":
+            return module
+
+        class Recording:
+            scale = staticmethod(module.scale)
+            forward = staticmethod(recording(module, "forward"))
+            probabilities_forward = staticmethod(recording(module, "probabilities_forward"))
+        return Recording
+
+    monkeypatch.setattr(_registry.Backend, "kernels", kernels)
+    return calls

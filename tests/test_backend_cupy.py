@@ -27,8 +27,8 @@ from multisoft_cupy import _instances, _tuning  # noqa: E402  (import no CUDA fr
 from harness import assert_close  # noqa: E402
 from multisoft._blocksparse import lookup_table  # noqa: E402  (the front's look-up table: torch only, no backend)
 from multisoft.check import (  # noqa: E402
-    reference_blocksparse, reference_blocksparse_backward, reference_softmax, reference_softmax_backward,
-    softmax_backward_magnitude)
+    reference_blocksparse, reference_blocksparse_backward, reference_slice_gradient, reference_softmax,
+    reference_softmax_backward, softmax_backward_magnitude)
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")
@@ -905,21 +905,6 @@ def test_cross_entropy_gradient_instances_are_compiled():
     assert _tuning.ce_gradient_grid(100_000, 7, 4) == (1, _tuning.MAX_GRID_Y, 1)
 
 
-def slice_gradient_reference(logits, target, weight, row_max_sum, coefficients, softcap):
-    """(gradient, its terms' size) in float64, the contract's formula: du/dx * (a exp(u - m) / S - b [j == t] -
-    c w_j) with (m, S) as given (the whole row's) and no target term for a target outside [0, C)."""
-    x = logits.detach().double()
-    classes = x.shape[1]
-    u = softcap * torch.tanh(x / softcap) if softcap else x
-    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
-    m, total = row_max_sum.double()
-    a, b, c = coefficients.double()
-    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
-    is_target = (torch.arange(classes, device=x.device)[None, :] == target.long()[:, None]).double()
-    terms = (a[:, None] * torch.exp(u - m[:, None]) / total[:, None], b[:, None] * is_target, c[:, None] * w)
-    return du * (terms[0] - terms[1] - terms[2]), du.abs() * sum(term.abs() for term in terms)
-
-
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cross_entropy_gradient_of_a_slice_on_long_rows(dtype):
@@ -954,7 +939,7 @@ def test_cross_entropy_gradient_of_a_slice_on_long_rows(dtype):
         cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
         torch.cuda.synchronize()
         label = f"{classes} classes unaligned={unaligned} softcap={softcap} in_place={in_place}"
-        expected, magnitude = slice_gradient_reference(original, target, weight, row_max_sum, coefficients, softcap)
+        expected, magnitude = reference_slice_gradient(original, target, weight, row_max_sum, coefficients, softcap)
         assert_close(grad, expected, dtype, label, magnitude)
         assert torch.isnan(grad[4]).all(), f"a NaN S: {label}"
         written = storage[1:] if unaligned else storage[:-1]

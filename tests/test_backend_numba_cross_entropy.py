@@ -12,6 +12,7 @@ import torch
 
 import multisoft_numba
 from harness import DEVICE, ON_GPU, assert_close
+from multisoft.check import reference_slice_gradient
 
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
 pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not (ON_GPU or multisoft_numba.simulated()),
@@ -339,21 +340,6 @@ def test_row_stats_on_each_path(dtype, path, case, monkeypatch):
         assert torch.isnan(row_stats[:2, 4]).all()
 
 
-def slice_gradient_reference(logits, target, weight, row_max_sum, coefficients, softcap):
-    """(gradient, its terms' size) in float64: du/dx * (a exp(u - m) / S - b [j == t] - c w_j), (m, S) as given
-    (the whole row's), no target term for a target outside [0, C)."""
-    x = logits.detach().double()
-    classes = x.shape[1]
-    u = softcap * torch.tanh(x / softcap) if softcap else x
-    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
-    m, total = row_max_sum.double()
-    a, b, c = coefficients.double()
-    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
-    is_target = (torch.arange(classes, device=x.device)[None, :] == target.long()[:, None]).double()
-    terms = (a[:, None] * torch.exp(u - m[:, None]) / total[:, None], b[:, None] * is_target, c[:, None] * w)
-    return du * (terms[0] - terms[1] - terms[2]), du.abs() * sum(term.abs() for term in terms)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradient_of_a_slice_over_several_blocks(dtype, case, monkeypatch):
@@ -380,7 +366,7 @@ def test_gradient_of_a_slice_over_several_blocks(dtype, case, monkeypatch):
         original = logits.clone()
         grad = logits if in_place else torch.full_like(logits, 7.0)
         cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
-        expected, magnitude = slice_gradient_reference(original, target, weight, row_max_sum, coefficients, softcap)
+        expected, magnitude = reference_slice_gradient(original, target, weight, row_max_sum, coefficients, softcap)
         assert_close(grad, expected, dtype, f"gradient in_place={in_place}", magnitude)
         if not in_place:
             assert torch.equal(logits, original), "the logits changed"

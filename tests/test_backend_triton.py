@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from harness import DEVICE, assert_close
-from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_softmax,
-                             reference_softmax_backward, softmax_backward_magnitude)
+from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_slice_gradient,
+                             reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
 
 multisoft_triton = pytest.importorskip("multisoft_triton")
 
@@ -754,21 +754,6 @@ def test_cross_entropy_row_stats_on_each_path(ce_path, options):
     assert torch.isnan(row_stats[:2, 2]).all()
 
 
-def _slice_gradient_contract(logits, target, weight, row_max_sum, coefficients, softcap):
-    """(gradient, its terms' size) in float64: du/dx * (a exp(u - m) / S - b [j == t] - c w_j), (m, S) as given,
-    no target term for a target outside [0, C)."""
-    x = logits.detach().double().cpu()
-    classes = x.shape[1]
-    u = softcap * torch.tanh(x / softcap) if softcap else x
-    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
-    m, total = row_max_sum.double().cpu()
-    a, b, c = coefficients.double().cpu()
-    w = torch.ones(classes, dtype=torch.float64) if weight is None else weight.double().cpu()
-    is_target = (torch.arange(classes)[None, :] == target.long().cpu()[:, None]).double()
-    terms = (a[:, None] * torch.exp(u - m[:, None]) / total[:, None], b[:, None] * is_target, c[:, None] * w)
-    return du * (terms[0] - terms[1] - terms[2]), du.abs() * sum(term.abs() for term in terms)
-
-
 def _check_slice_gradient(dtype, rows, classes, weighted, softcap, in_place):
     """gradient of a slice of wider float64 rows (m and S of the whole rows) against the formula; every target kind
     (in the slice, below, past, ignore_index, beyond 32 bits)."""
@@ -787,7 +772,7 @@ def _check_slice_gradient(dtype, rows, classes, weighted, softcap, in_place):
     coefficients = torch.rand(3, rows, device=DEVICE) + torch.tensor([[0.5], [0.5], [0.0]], device=DEVICE)
     grad = logits if in_place else torch.full_like(logits, 7.0)
     cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
-    expected, magnitude = _slice_gradient_contract(original, target, weight, row_max_sum, coefficients, softcap)
+    expected, magnitude = reference_slice_gradient(original, target, weight, row_max_sum, coefficients, softcap)
     assert_close(grad, expected, dtype, f"gradient {rows}x{classes}", magnitude)
     if not in_place:
         assert torch.equal(logits, original)

@@ -23,7 +23,8 @@ from harness import DEVICE, assert_close, backends_under_test, simulated
 from multisoft._blocksparse import lookup_table
 from multisoft._registry import get_backend
 from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
-                             reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
+                             reference_slice_gradient, reference_softmax, reference_softmax_backward,
+                             softmax_backward_magnitude)
 
 BACKENDS = backends_under_test()
 on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
@@ -405,6 +406,141 @@ def test_cross_entropy_scale_per_row(backend, dtype):
     assert torch.isnan(after[3, 0]) and torch.isnan(after[4]).all(), "0 * inf and x * NaN are NaN"
 
 
+PROBABILITY_CASES = {
+    "plain": dict(shape=(9, 37)),
+    "weighted-smoothed": dict(shape=(9, 700), weighted=True, label_smoothing=0.1),
+    "softcap-z-loss-weighted-smoothed": dict(shape=(9, 300), weighted=True, label_smoothing=0.05, softcap=3.0,
+                                             lse_square_scale=0.02),
+    "one-class": dict(shape=(3, 1), label_smoothing=0.1),
+    "one-row": dict(shape=(1, 37), weighted=True),
+    "long-rows": dict(shape=(3, 20000), weighted=True, label_smoothing=0.1, lse_square_scale=0.01),
+    "long-rows-softcap": dict(shape=(2, 9000), softcap=5.0),
+}
+
+
+def _probability_inputs(dtype, shape, weighted=False, label_smoothing=0.0, softcap=0.0, lse_square_scale=0.0):
+    """(logits, target probabilities of the logits' dtype, weight or None, the scalar arguments): row 0's target
+    one-hot, row 1's (where there is one) spread over a few classes, the others a softmax of random scores."""
+    rows, classes = shape
+    logits = (torch.randn(shape, device=DEVICE) * 2).to(dtype)
+    target = torch.softmax(torch.randn(shape, device=DEVICE) * 3, -1)
+    target[0] = 0.0
+    target[0, classes // 2] = 1.0
+    if rows > 1:
+        target[1] = 0.0
+        target[1, : min(classes, 4)] = 1.0 / min(classes, 4)
+    weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
+    return logits, target.to(dtype), weight, dict(label_smoothing=label_smoothing, softcap=softcap,
+                                                  lse_square_scale=lse_square_scale)
+
+
+def _probability_reference(logits, target, weight, options):
+    """(per-row loss, lse) in float64 of probability targets: torch's F.cross_entropy of the capped logits plus
+    the z-loss (multisoft.check's reference)."""
+    return reference_cross_entropy(logits, target.double(), weight=weight, reduction="none", return_lse=True,
+                                   **{**options, "softcap": options["softcap"] or None})
+
+
+def _probabilities_forward(backend, logits, target, weight, options, grad_scale_values=None, broadcast=False,
+                           lead=GUARD):
+    """Runs probabilities_forward with every tensor placed (grad_scale_values None: no gradient); returns (loss,
+    lse, grad_logits or None) after checking that nothing else was written."""
+    call = Placement(lead)
+    rows = logits.shape[0]
+    logits = call.input("logits", logits)
+    target = call.input("target", target)
+    weight = None if weight is None else call.input("weight", weight)
+    loss, lse = (call.output(name, (rows,), torch.float32) for name in ("loss", "lse"))
+    grad_logits = grad_scale = None
+    if grad_scale_values is not None:
+        if broadcast:
+            grad_scale = call.input("grad_scale", grad_scale_values[:1]).expand(rows)
+        else:
+            grad_scale = call.input("grad_scale", grad_scale_values)
+        grad_logits = call.output("grad_logits", logits.shape, logits.dtype)
+    _kernels(backend, "cross_entropy").probabilities_forward(
+        logits, target, weight, loss, lse, grad_logits, grad_scale, options["label_smoothing"], options["softcap"],
+        options["lse_square_scale"])
+    call.unchanged()
+    return loss, lse, grad_logits
+
+
+@pytest.mark.parametrize("case", list(PROBABILITY_CASES), ids=str)
+@each_dtype
+@on_each_backend
+def test_cross_entropy_probabilities_forward(backend, dtype, case):
+    """Class-probability targets: loss and lse of every row (float32 tolerance: float32 arithmetic on the inputs
+    as given), and with a gradient grad_scale[i] * d loss_i / d logits, grad_scale per row or one value at
+    stride 0, against torch's float64 F.cross_entropy of the capped logits plus the z-loss."""
+    _skip_unless_runs(backend, dtype)
+    logits, target, weight, options = _probability_inputs(dtype, **PROBABILITY_CASES[case])
+    expected, expected_lse = _probability_reference(logits, target, weight, options)
+    loss, lse, _ = _probabilities_forward(backend, logits, target, weight, options)
+    assert_close(loss, expected, torch.float32, "loss")
+    assert_close(lse, expected_lse, torch.float32, "lse")
+    rows = logits.shape[0]
+    for broadcast in (False, True):
+        grad_scale = torch.rand(rows, device=DEVICE) + 0.5
+        if broadcast:
+            grad_scale = grad_scale[:1].repeat(rows)
+        loss, lse, grad = _probabilities_forward(backend, logits, target, weight, options, grad_scale, broadcast)
+        assert_close(loss, expected, torch.float32, "loss (with the gradient)")
+        assert_close(lse, expected_lse, torch.float32, "lse (with the gradient)")
+        logits64 = logits.double().requires_grad_()
+        reference_loss, _ = _probability_reference(logits64, target, weight, options)
+        (expected_grad,) = torch.autograd.grad(reference_loss, logits64, grad_scale.double())
+        where = "at stride 0" if broadcast else "per row"
+        assert_close(grad, expected_grad, dtype, f"grad_logits (grad_scale {where})")
+
+
+@each_dtype
+@on_each_backend
+def test_cross_entropy_probabilities_forward_unaligned(backend, dtype):
+    """Every tensor off 16-byte alignment: the same values, nothing read or written outside."""
+    _skip_unless_runs(backend, dtype)
+    logits, target, weight, options = _probability_inputs(dtype, (5, 301), weighted=True, label_smoothing=0.1)
+    grad_scale = torch.rand(5, device=DEVICE) + 0.5
+    loss, lse, grad = _probabilities_forward(backend, logits, target, weight, options, grad_scale, lead=UNALIGNED)
+    expected, expected_lse = _probability_reference(logits, target, weight, options)
+    assert_close(loss, expected, torch.float32, "loss")
+    assert_close(lse, expected_lse, torch.float32, "lse")
+    logits64 = logits.double().requires_grad_()
+    reference_loss, _ = _probability_reference(logits64, target, weight, options)
+    (expected_grad,) = torch.autograd.grad(reference_loss, logits64, grad_scale.double())
+    assert_close(grad, expected_grad, dtype, "grad_logits")
+
+
+@pytest.mark.parametrize("classes", [37, 9000], ids=lambda c: f"C{c}")
+@on_each_backend
+def test_cross_entropy_probabilities_forward_non_finite(backend, classes):
+    """torch's values at the edges: a -inf logit where q is 0 gives a NaN loss (0 * inf) and where q > 0 an inf
+    loss, with a finite gradient row; a NaN logit, or a NaN target, makes its row's loss and gradient NaN; a row
+    of -inf is NaN; the other rows are untouched by their neighbours."""
+    dtype = torch.float32
+    _skip_unless_runs(backend, dtype)
+    logits, target, _, options = _probability_inputs(dtype, (6, classes))
+    logits[0, 3] = float("-inf")          # row 0: one-hot elsewhere, q = 0 there: NaN
+    logits[1, 1] = float("-inf")          # row 1: q = 1/4 there: +inf
+    logits[2, classes - 1] = float("nan")
+    target[3, classes // 3] = float("nan")
+    logits[4] = float("-inf")
+    grad_scale = torch.ones(6, device=DEVICE)
+    loss, lse, grad = _probabilities_forward(backend, logits, target, None, options, grad_scale)
+    assert torch.isnan(loss[0]) and loss[1] == float("inf"), loss[:2]
+    assert torch.isfinite(grad[:2]).all(), "the gradient of a row with a -inf logit stays finite"
+    for row in (2, 3, 4):
+        assert torch.isnan(loss[row]), (row, loss[row])
+        assert torch.isnan(grad[row]).all(), (row, grad[row])
+    expected, expected_lse = _probability_reference(logits, target, None, options)
+    assert_close(loss[5:], expected[5:], torch.float32, "loss of the finite row")
+    logits64 = logits[5:].double().requires_grad_()
+    reference_loss, _ = _probability_reference(logits64, target[5:], None, options)
+    (expected_grad,) = torch.autograd.grad(reference_loss.sum(), logits64)
+    assert_close(grad[5:], expected_grad, dtype, "grad of the finite row")
+    finite_two = _probability_reference(logits[:2].double().requires_grad_(), target[:2], None, options)
+    assert torch.isnan(finite_two[0][0]) and finite_two[0][1] == float("inf"), "torch's own values, as asserted"
+
+
 def _invalid_targets(target_dtype, classes):
     """Targets of 8 rows: classes 0 and 5, ignore_index -100, and five outside [0, classes), int64 ones among them
     that a kernel reading only their low 32 bits would take for classes 3 and 0."""
@@ -532,25 +668,6 @@ def _slice_inputs(dtype, rows, classes, weighted, softcap, first=3, wider=11):
     return logits, torch.stack([m, total]).float(), weight
 
 
-def _expected_slice_gradient(logits, target, weight, row_max_sum, coefficients, softcap):
-    """(gradient, its terms' size) in float64 from the float32 statistics the kernel gets: du/dx * (a exp(u - m)
-    / S - b [j == t] - c w_j), no target term for a target outside [0, C)."""
-    x = logits.double()
-    rows, classes = x.shape
-    u = _capped64(x, softcap)
-    du = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
-    m, total = row_max_sum.double()
-    a, b, c = coefficients.double()
-    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
-    t = target.long()
-    is_target = (torch.arange(classes, device=x.device)[None, :] == t[:, None]).double()
-    p = torch.exp(u - m[:, None]) / total[:, None]
-    terms = (a[:, None] * p, b[:, None] * is_target, c[:, None] * w)
-    gradient = du * (terms[0] - terms[1] - terms[2])
-    magnitude = du.abs() * sum(term.abs() for term in terms)
-    return gradient, magnitude
-
-
 def _slice_targets(rows, classes, target_dtype):
     """Targets of ``rows`` rows cycling through: inside the slice (its first and last class, one between), below
     it, past it, ignore_index, and (int64) values whose low 32 bits are classes of the slice."""
@@ -582,7 +699,7 @@ def _check_slice_gradient(backend, dtype, shape, weighted=False, softcap=0.0, in
     _kernels(backend, "cross_entropy").gradient(placed, placed_target, placed_weight, placed_stats,
                                                 placed_coefficients, grad_logits, softcap)
     call.unchanged()
-    expected, magnitude = _expected_slice_gradient(logits, target, weight, row_max_sum, coefficients, softcap)
+    expected, magnitude = reference_slice_gradient(logits, target, weight, row_max_sum, coefficients, softcap)
     assert_close(grad_logits, expected, dtype, "gradient of the slice", magnitude)
     return grad_logits
 

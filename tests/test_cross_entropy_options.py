@@ -277,32 +277,8 @@ def test_inplace_misuse_raises(backend):
     assert h.grad is not None
 
 
-@pytest.fixture
-def forward_calls(monkeypatch):
-    """The grad_logits argument of every cross-entropy forward kernel call, on any backend."""
-    calls = []
-    real = _registry.Backend.kernels
-
-    def kernels(self, op):
-        module = real(self, op)
-        if op != "cross_entropy":
-            return module
-
-        class Recording:
-            scale = staticmethod(module.scale)
-
-            @staticmethod
-            def forward(*args):
-                calls.append(args[6])
-                return module.forward(*args)
-        return Recording
-
-    monkeypatch.setattr(_registry.Backend, "kernels", kernels)
-    return calls
-
-
 @on_each_backend
-def test_no_grad_path_allocates_no_gradient(backend, forward_calls):
+def test_no_grad_path_allocates_no_gradient(backend, cross_entropy_calls):
     """torch.no_grad, logits that do not require grad, and inference mode: the kernel gets no gradient buffer and
     the logits are only read, inplace_backward or not."""
     logits, target, _ = _inputs(torch.float32)
@@ -315,10 +291,12 @@ def test_no_grad_path_allocates_no_gradient(backend, forward_calls):
     module = multisoft.nn.CrossEntropyLoss(return_lse=True, backend=backend).eval()
     with torch.no_grad():
         module(logits, target)
-    assert forward_calls == [None, None, None, None]
+    gradients = [args[6] for _, args in cross_entropy_calls]
+    assert gradients == [None, None, None, None]
     assert torch.equal(logits.detach(), before)
     multisoft.cross_entropy(logits, target, backend=backend)
-    assert forward_calls[-1] is not None and forward_calls[-1].shape == logits.shape
+    name, args = cross_entropy_calls[-1]
+    assert name == "forward" and args[6] is not None and args[6].shape == logits.shape
 
 
 @each_reduction
@@ -380,3 +358,71 @@ def test_probability_targets_take_the_options(backend):
     (grad,) = torch.autograd.grad(loss + lse.sum(), logits)
     (expected_grad,) = torch.autograd.grad(expected + expected_lse.sum(), logits64)
     assert_close(grad, expected_grad, torch.float32, "gradient")
+
+
+@on_each_backend
+def test_probability_targets_run_in_the_kernel(backend, cross_entropy_calls):
+    """Class probabilities go to the backend's probabilities_forward (the gradient written there, none without
+    autograd), in the logits' dtype when the target has it; a wider target converts the logits to float32."""
+    reason = _registry.get_backend(backend).unavailable_reason(torch.device(DEVICE), torch.bfloat16)
+    if reason:
+        pytest.skip(reason)
+    logits = torch.randn(5, 9, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.softmax(torch.randn(5, 9, device=DEVICE), 1)
+    loss = multisoft.cross_entropy(logits, target.to(torch.bfloat16), backend=backend)
+    loss.backward()
+    with torch.no_grad():
+        multisoft.cross_entropy(logits, target, backend=backend)
+    kinds = [(name, args[0].dtype, args[1].dtype) for name, args in cross_entropy_calls]
+    assert kinds == [("probabilities_forward", torch.bfloat16, torch.bfloat16),
+                     ("probabilities_forward", torch.float32, torch.float32)], kinds
+    gradients = [args[5] for _, args in cross_entropy_calls]
+    assert gradients[0] is not None and gradients[1] is None
+    expected = reference_cross_entropy(logits.detach(), target.to(torch.bfloat16))
+    assert_close(loss, expected, torch.float32, "loss of a bfloat16 target")
+    assert logits.grad.dtype == torch.bfloat16
+
+
+@each_reduction
+@on_each_backend
+def test_probability_target_that_requires_grad_gets_torchs_gradient(backend, reduction):
+    """A target being learned (soft labels that require grad) gets its gradient, -w (1 - eps) log_softmax(u) per
+    class, as torch's, and the logits theirs."""
+    logits = torch.randn(4, 7, 3, device=DEVICE, requires_grad=True)
+    target = torch.softmax(torch.randn(4, 7, 3, device=DEVICE), 1).requires_grad_()
+    weight = torch.rand(7, device=DEVICE) + 0.5
+    options = dict(weight=weight, reduction=reduction, label_smoothing=0.1, softcap=3.0)
+    loss = multisoft.cross_entropy(logits, target, backend=backend, **options)
+    logits64, target64 = (t.detach().double().requires_grad_() for t in (logits, target))
+    expected = reference_cross_entropy(logits64, target64, **options)
+    grad_out = torch.rand_like(expected)
+    grads = torch.autograd.grad(loss, (logits, target), grad_out.to(loss.dtype))
+    expected_grads = torch.autograd.grad(expected, (logits64, target64), grad_out)
+    assert_close(loss, expected, torch.float32, "loss")
+    assert_close(grads[0], expected_grads[0], torch.float32, "gradient of the logits")
+    assert_close(grads[1], expected_grads[1], torch.float32, "gradient of the target")
+
+
+@each_reduction
+def test_torch_compile_fullgraph_probability_targets(reduction):
+    """torch.compile(fullgraph=True) of class-probability targets through the custom op gives the eager values."""
+    weight = torch.rand(20) + 0.5
+
+    def model(logits, target):
+        loss, lse = multisoft.cross_entropy(logits * 1, target, weight, reduction=reduction, label_smoothing=0.1,
+                                            softcap=5.0, lse_square_scale=0.01, return_lse=True, backend="torch")
+        return loss.sum() * 2.0 + (lse * lse).mean()
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    logits = (torch.randn(7, 20) * 3).requires_grad_()
+    target = torch.softmax(torch.randn(7, 20), 1)
+    got = compiled(logits, target)
+    (grad,) = torch.autograd.grad(got, logits)
+    logits64 = logits.detach().double().requires_grad_()
+    loss64, lse64 = reference_cross_entropy(logits64, target, weight=weight, reduction=reduction,
+                                            label_smoothing=0.1, softcap=5.0, lse_square_scale=0.01,
+                                            return_lse=True)
+    want = loss64.sum() * 2.0 + (lse64 * lse64).mean()
+    (want_grad,) = torch.autograd.grad(want, logits64)
+    assert_close(got, want, torch.float32, "compiled loss")
+    assert_close(grad, want_grad, torch.float32, "compiled gradient")

@@ -186,8 +186,8 @@ def test_every_softmax_kernel_a_call_can_choose_is_compiled(cc):
 
 @pytest.mark.parametrize("cc", [80, 90])
 def test_every_cross_entropy_kernel_a_call_can_choose_is_compiled(cc):
-    """The forward for every shape, with and without the gradient and the softcap (as cross_entropy.forward names
-    it), and the gradient's scaling."""
+    """The forward for every shape, with and without the gradient and the softcap (as cross_entropy.forward and
+    probabilities_forward name them), and the gradient's scaling."""
     kernels = _compiled(_instances.CROSS_ENTROPY_SOURCE, cc)
     flags = list(itertools.product((False, True), repeat=2))
     for (ctype, elem), index_type in itertools.product(_ELEMENTS, _instances.INDEX_TYPES):
@@ -196,6 +196,8 @@ def test_every_cross_entropy_kernel_a_call_can_choose_is_compiled(cc):
             for grad, softcap in flags:
                 expression = _instances.ce_fwd_kernel(ctype, index_type, grad, softcap, cfg)
                 assert expression in kernels[ctype], (rows, classes)
+                probabilities = _instances.ce_probs_fwd_kernel(ctype, grad, softcap, cfg)
+                assert probabilities in kernels[ctype], (rows, classes, "class probabilities")
         assert _instances.ce_scale_kernel(ctype, _tuning.CE_SCALE_CONFIG) in kernels[ctype]
 
 

@@ -60,6 +60,13 @@ def ce_fwd_kernel(ctype: str, index_type: str, grad: bool, softcap: bool, cfg: R
     return _row_kernel("ce_fwd", ctype, cfg, f"{index_type}, {flags}")
 
 
+def ce_probs_fwd_kernel(ctype: str, grad: bool, softcap: bool, cfg: RowConfig) -> str:
+    """The cross-entropy forward for class-probability targets; with `grad` it writes the gradient too, with
+    `softcap` it caps the logits."""
+    flags = ", ".join("true" if flag else "false" for flag in (grad, softcap))
+    return _row_kernel("ce_probs_fwd", ctype, cfg, flags)
+
+
 def ce_scale_kernel(ctype: str, cfg: RowConfig) -> str:
     min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
     return f"ce_scale<{ctype}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
@@ -110,7 +117,8 @@ def _cross_entropy(ctype: str, cc: int) -> list[str]:
     forward = [ce_fwd_kernel(ctype, i, grad, cap, c) for i in INDEX_TYPES for grad, cap in flags for c in configs]
     gradient = [ce_gradient_kernel(ctype, i, cap, _tuning.CE_GRADIENT_CONFIG) for i in INDEX_TYPES
                 for cap in (False, True)]
-    return forward + [ce_scale_kernel(ctype, _tuning.CE_SCALE_CONFIG)] + gradient
+    probabilities = [ce_probs_fwd_kernel(ctype, grad, cap, c) for grad, cap in flags for c in configs]
+    return forward + probabilities + [ce_scale_kernel(ctype, _tuning.CE_SCALE_CONFIG)] + gradient
 
 
 def _blocksparse(ctype: str) -> list[str]:

@@ -12,6 +12,7 @@
 // With `row_stats` (not null) the forward also writes each row's m, S and sum_c w[c] * u[c]: the statistics of a
 // slice of the classes, which the front combines across ranks (vocabulary-parallel cross-entropy); ce_gradient
 // then writes that slice's gradient from the whole row's statistics, in one elementwise sweep.
+// ce_probs_fwd takes class-probability targets (a row of probabilities per row of logits) the same way.
 #include "common.cuh"
 
 template <bool FIRST, typename A, typename B>
@@ -203,6 +204,155 @@ MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) ce_fwd_cluster(const T* logits, cons
     const CeArgs<T, TI> a{logits, target, weight, loss, lse, row_weight, grad, grad_scale, grad_scale_stride,
                           row_stats, M, C, ignore_index, eps, softcap, lse_square_scale, vec_ok != 0};
     ce_rows<T, TI, GRAD, CAP, TPR, 1, VPT, CLUSTER>(a);
+}
+#endif
+
+// Cross-entropy with class-probability targets: target (M, C) in the logits' type, q = (1 - eps) * target + eps / C,
+// w = weight or 1, A = sum_c w[c] * q[c]. loss_i = sum_c w[c] * q[c] * ((m - u[c]) + log S) + s * lse^2 and, with
+// GRAD, grad = grad_scale[i] * du/dx * (p * (A + 2 * s * lse) - w * q), p = exp(u - m) / S.
+// The first sweep keeps, per thread, m and S, A and gap = sum w * q * (m - u) relative to the thread's running max
+// (moved by A * (new max - old max) when the max grows, so that each term stays a difference of two nearby values,
+// never lse rounded); a first row reduction gives the row's m, S and A, a second the row's gap, each thread's first
+// moved to the row's max. A u of -inf contributes w * q * inf (NaN where w * q is 0, as torch's 0 * inf), whatever
+// the max. The second sweep (GRAD) re-reads the targets and, but for the last tile kept in registers, the logits.
+template <typename T>
+struct CeProbsArgs {
+    const T* logits;
+    const T* target;      // (M, C): each row's class probabilities, any values
+    const float* weight;  // (C,), or null: every weight 1
+    float* loss;
+    float* lse;
+    T* grad;                  // (M, C), or null without GRAD; never `logits`
+    const float* grad_scale;  // (M,) with grad_scale_stride 1, or one value with stride 0
+    i64 grad_scale_stride;
+    i64 M, C;
+    float eps, softcap, lse_square_scale;
+    bool vec;
+};
+
+template <typename T, bool GRAD, bool CAP, int TPR, int ROWS, int VPT, int CLUSTER>
+__device__ __forceinline__ void ce_probs_rows(const CeProbsArgs<T>& a) {
+    static_assert(TPR % 32 == 0, "a row group is made of whole warps (full-mask shuffles)");
+    using TL = Tile<T, TPR, VPT>;
+    using Exp = ShiftedExp<typename Choose<CAP, float, T>::type>;
+    const int lane = threadIdx.x % TPR;
+    const i64 rank = CLUSTER > 1 ? (i64)cluster_rank() : 0;
+    const i64 C = a.C;
+    const i64 ntiles = (C + TL::SIZE - 1) / TL::SIZE;
+    const i64 last_tile = rank < ntiles ? rank + (ntiles - 1 - rank) / CLUSTER * CLUSTER : -1;  // this rank's
+    const i64 row_step = (i64)(gridDim.x / CLUSTER) * ROWS;
+    const bool vec = a.vec, zloss = a.lse_square_scale != 0.f;
+    const float target_share = 1.f - a.eps, uniform_share = a.eps / (float)C;  // q = target_share * t + uniform_share
+    const float inv_cap = CAP ? 1.f / a.softcap : 0.f;
+    const DenseMap map;
+    typename TL::Regs v, probs;
+    // the capped logit of column c >= C (a tile's padding) is -inf, as the uncapped one is
+    auto logit = [&](int e, i64 start) {
+        const float x = TL::get(v, e);
+        if constexpr (CAP) return TL::col(start, lane, e, vec) < C ? a.softcap * tanhf(x * inv_cap) : -MS_INF;
+        else return x;
+    };
+    // w[c] * q[c] of this thread's element e, column c < C
+    auto weighted_q = [&](int e, i64 c) {
+        const float w = a.weight ? a.weight[c] : 1.f;
+        return w * fmaf(target_share, TL::get(probs, e), uniform_share);
+    };
+    for (i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / TPR; row < a.M; row += row_step) {
+        const T* xr = a.logits + row * C;
+        const T* tr = a.target + row * C;
+        const float scale = GRAD ? a.grad_scale[row * a.grad_scale_stride] : 0.f;
+        // m, s: max and sum of exp(u - m); a: A = sum_c w[c] * q[c]; b unused
+        Stats st = stats_empty();
+        float gap = 0.f;  // sum_c w[c] * q[c] * (st.m - u[c]) over this thread's columns so far
+        for (i64 tile = rank; tile < ntiles; tile += CLUSTER) {
+            const i64 start = tile * TL::SIZE;
+            TL::load(v, xr, map, start, C, lane, vec, -MS_INF);
+            TL::load(probs, tr, map, start, C, lane, vec, 0.f);
+            const float tile_max = TL::max_value(v);  // u is an increasing function of x
+            const float previous_max = st.m;
+            st = stats_shift(st, CAP ? a.softcap * tanhf(tile_max * inv_cap) : tile_max);
+            // with no finite max yet, gap holds only terms of u = -inf, which do not depend on the max
+            if (previous_max != -MS_INF && st.m != previous_max) gap += st.a * (st.m - previous_max);
+            const bool has_max = st.m != -MS_INF;
+            const Exp ex(st.m);
+            float acc = 0.f;
+#pragma unroll
+            for (int e = 0; e < TL::EPT; ++e) {
+                const float u = logit(e, start);
+                if (has_max) acc += ex(u);
+                const i64 c = TL::col(start, lane, e, vec);
+                if (c < C) {
+                    const float wq = weighted_q(e, c);
+                    st.a += wq;
+                    gap += wq * (u == -MS_INF ? MS_INF : st.m - u);
+                }
+            }
+            if (has_max) st.s += ex.unshift(acc);
+        }
+        const Stats total = row_reduce<TPR, CLUSTER>(st);
+        Stats moved = stats_empty();  // plain sums: stats_combine adds the a of two empty-max Stats
+        moved.a = st.m == -MS_INF ? gap : gap + st.a * (total.m - st.m);
+        const float row_gap = row_reduce<TPR, CLUSTER>(moved).a;
+        const float log_sum = logf(total.s);
+        const float row_lse = total.m + log_sum;
+        if (lane == 0 && rank == 0) {
+            a.lse[row] = row_lse;
+            float value = row_gap + total.a * log_sum;
+            if (zloss) value += a.lse_square_scale * row_lse * row_lse;
+            a.loss[row] = value;
+        }
+        if constexpr (GRAD) {
+            T* gr = a.grad + row * C;
+            // gradient = coef_p * ex(u) - scale * w[c] * q[c], times du/dx with a softcap
+            const Exp ex(total.m);
+            const float factor = zloss ? total.a + 2.f * a.lse_square_scale * row_lse : total.a;
+            const float coef_p = scale * factor * ex.unshift(1.f) / total.s;
+            for (i64 tile = last_tile; tile >= rank; tile -= CLUSTER) {
+                const i64 start = tile * TL::SIZE;
+                if (tile != last_tile) TL::load(v, xr, map, start, C, lane, vec, 0.f);
+                TL::load(probs, tr, map, start, C, lane, vec, 0.f);
+                set_each<T, TPR, VPT>(v, [&](int e) {
+                    const float x = TL::get(v, e);
+                    float u = x, du = 1.f;
+                    if constexpr (CAP) {
+                        const float th = tanhf(x * inv_cap);
+                        u = a.softcap * th;
+                        du = (1.f - th) * (1.f + th);
+                    }
+                    const i64 c = TL::col(start, lane, e, vec);
+                    const float g = coef_p * ex(u) - scale * (c < C ? weighted_q(e, c) : 0.f);
+                    return CAP ? g * du : g;
+                });
+                TL::store(v, gr, map, start, C, lane, vec);
+            }
+        }
+    }
+}
+
+// loss, lse (M,) and with GRAD grad (M, C) = grad_scale[i * grad_scale_stride] * dloss_i / dx for class-probability
+// targets (M, C). CAP: softcap > 0 (without it, softcap is unused). vec_ok: logits, target and grad start 16-byte
+// aligned and C is a multiple of the 16-byte vector.
+template <typename T, bool GRAD, bool CAP, int TPR, int ROWS, int VPT, int MIN_BLOCKS = 0>
+MS_ROW_KERNEL_MIN(TPR * ROWS, MIN_BLOCKS) ce_probs_fwd(const T* logits, const T* target, const float* weight,
+                                                       float* loss, float* lse, T* grad, const float* grad_scale,
+                                                       i64 grad_scale_stride, i64 M, i64 C, float eps, float softcap,
+                                                       float lse_square_scale, int vec_ok) {
+    const CeProbsArgs<T> a{logits, target, weight, loss, lse, grad, grad_scale, grad_scale_stride,
+                           M, C, eps, softcap, lse_square_scale, vec_ok != 0};
+    ce_probs_rows<T, GRAD, CAP, TPR, ROWS, VPT, 1>(a);
+}
+
+#if __CUDA_ARCH__ >= 900
+template <typename T, bool GRAD, bool CAP, int TPR, int VPT, int CLUSTER, int MIN_BLOCKS = 0>
+MS_CLUSTER_KERNEL(TPR, CLUSTER, MIN_BLOCKS) ce_probs_fwd_cluster(const T* logits, const T* target,
+                                                                 const float* weight, float* loss, float* lse,
+                                                                 T* grad, const float* grad_scale,
+                                                                 i64 grad_scale_stride, i64 M, i64 C, float eps,
+                                                                 float softcap, float lse_square_scale,
+                                                                 int vec_ok) {
+    const CeProbsArgs<T> a{logits, target, weight, loss, lse, grad, grad_scale, grad_scale_stride,
+                           M, C, eps, softcap, lse_square_scale, vec_ok != 0};
+    ce_probs_rows<T, GRAD, CAP, TPR, 1, VPT, CLUSTER>(a);
 }
 #endif
 

@@ -1,6 +1,6 @@
 """Cross-entropy in one pass (loss, lse, row weight and, when wanted, the scaled gradient, and each row's
-statistics), the backward's scaling of that gradient, and the gradient of a slice of the classes from the whole
-row's statistics (vocabulary-parallel), from cross_entropy.cu."""
+statistics), the same for class-probability targets, the backward's scaling of that gradient, and the gradient of a
+slice of the classes from the whole row's statistics (vocabulary-parallel), from cross_entropy.cu."""
 
 from __future__ import annotations
 
@@ -34,6 +34,26 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             ptr(grad_scale if grad else None), i64(scale_stride), ptr(row_stats), i64(rows), i64(classes),
             i64(ignore_index), f32(label_smoothing), f32(softcap), f32(lse_square_scale), i32(vec))
     expression = _instances.ce_fwd_kernel(ctype(logits.dtype), index_ctype(target.dtype), grad, softcap != 0, cfg)
+    launch(logits, SOURCE, expression, (_tuning.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
+
+
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
+                          softcap: float, lse_square_scale: float) -> None:
+    """Class-probability targets (M, C): a row group per row, as `forward` maps them, sweeps the row once for its
+    loss and lse and, with `grad_logits`, a second time (the targets, and the logits but for the tile still in
+    registers) for grad_scale[i] * dloss_i / dlogits."""
+    rows, classes = logits.shape
+    elem = logits.element_size()
+    cc, sm_count = device_info(device_index(logits))
+    cfg = _tuning.ce_fwd_config(rows, classes, elem, cc, sm_count)
+    grad = grad_logits is not None
+    softcap = _kernel_softcap(softcap)
+    vec = classes % (16 // elem) == 0 and aligned(logits, target) and (not grad or aligned(grad_logits))
+    scale_stride = grad_scale.stride(0) if grad else 0
+    args = (ptr(logits), ptr(target), ptr(weight), ptr(loss), ptr(lse), ptr(grad_logits),
+            ptr(grad_scale if grad else None), i64(scale_stride), i64(rows), i64(classes), f32(label_smoothing),
+            f32(softcap), f32(lse_square_scale), i32(vec))
+    expression = _instances.ce_probs_fwd_kernel(ctype(logits.dtype), grad, softcap != 0, cfg)
     launch(logits, SOURCE, expression, (_tuning.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
 
 

@@ -49,6 +49,9 @@ PACK_16BIT = True
 CE_CACHE = 32
 CE_CACHED_THREADS = 1024
 CE_UNROLL = 16             # (docs/tuning.md)
+# probabilities_forward with a gradient: logits of its row a thread holds, and as many weighted targets (the
+# registers of CE_CACHE floats), when the row then fits a block of at most CE_CACHED_THREADS threads; else as above.
+CE_PROBABILITIES_CACHE = 16
 # scale(): elements a thread, most threads a block, and blocks a multiprocessor at most (a block walks rows
 # beyond: fewer blocks to return at once when the factor is 1).
 CE_SCALE_UNROLL = 16       # (docs/tuning.md: the elementwise backward's CE_BACKWARD_UNROLL)

@@ -15,6 +15,8 @@ the statistics of a slice of the classes, which the front combines across ranks 
 gradient: that slice's gradient from the whole row's statistics, (a * exp(u - m) / S - b * [c == t] - c_ * w_c) *
 du/dx: one elementwise sweep with no reduction, so a long row is shared among several blocks, as scale shares it.
 
+probabilities_forward: class-probability targets (_cross_entropy_probabilities: the same row mapping and two sweeps).
+
 scale: grad *= factor, one factor (read on the device: when it is 1 every block returns at once) or one a row.
 
 A target outside [0, C) that is not ignore_index is never used as an index: its loss is NaN and its gradient row
@@ -30,6 +32,7 @@ import numpy
 from numba import cuda, float32, uint64
 
 from . import _tuning
+from ._cross_entropy_probabilities import probabilities_kernel
 from ._device import (NAN, NEG_INF, block_online_merge, block_sum, expf, kahan_add, logf, nan_max, strided_io,
                       word_layout)
 from ._launch import (MAX_THREADS, SIMULATOR, device_function, device_index, kernel, launch, multiprocessors,
@@ -345,6 +348,34 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
            (logit_words, target, weight if weight is not None else loss, loss, lse, row_weight, grad_words,
             grad_scale, numpy.int64(scale_stride), row_stats.view(-1) if with_stats else loss,
             numpy.int64(ignore_index), eps, numpy.float32(softcap),
+            numpy.float32(1.0 / softcap if softcap else 0.0), numpy.float32(lse_square_scale)))
+
+
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
+                          softcap: float, lse_square_scale: float) -> None:
+    """Class-probability targets: loss and lse of every row; with grad_logits its gradient row too,
+    grad_scale[i] * dloss_i / dlogits. With q = (1 - eps) * target + eps / C and A = sum_c w_c q_c:
+    loss = sum_c w_c q_c ((m - u_c) + log S) + s * lse**2, gradient du/dx * (p * (A + 2 s lse) - w q)."""
+    rows, classes = logits.shape
+    with_grad = grad_logits is not None
+    fmt, width, views = vector_views((logits, target, grad_logits) if with_grad else (logits, target))
+    cache = max(_tuning.CE_PROBABILITIES_CACHE, width)
+    cached = with_grad and classes <= min(_tuning.CE_CACHED_THREADS, MAX_THREADS) * cache
+    if cached:
+        per_thread, threads = cache, threads_for(classes, cache)
+    else:
+        per_thread, threads = max(_tuning.CE_UNROLL, width), threads_for(classes, 4 * _tuning.CE_UNROLL)
+    softcap = _softcap_for_kernel(softcap)
+    if with_grad:
+        grad_words = views[2]
+        grad_scale, scale_stride = _per_row(grad_scale)
+    else:   # never read: placeholders of the right kinds
+        grad_words, grad_scale, scale_stride = views[0], loss, 0
+    kernel_ = probabilities_kernel(fmt, width, per_thread, cached, weight is not None, softcap != 0.0, with_grad)
+    launch(kernel_, rows, threads,
+           (views[0], views[1], weight if weight is not None else loss, loss, lse, grad_words, grad_scale,
+            numpy.int64(scale_stride), numpy.float32(1.0 - label_smoothing),
+            numpy.float32(label_smoothing / classes), numpy.float32(softcap),
             numpy.float32(1.0 / softcap if softcap else 0.0), numpy.float32(lse_square_scale)))
 
 

@@ -62,6 +62,30 @@ def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, sof
     grad_logits.copy_(grad_u * (1.0 - (u / softcap).square()) if softcap else grad_u)
 
 
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
+                          softcap: float, lse_square_scale: float) -> None:
+    """Class-probability targets in float64: ``-sum_j w_j q_j log p_j + s lse**2`` with
+    ``q = (1 - eps) target + eps / C``, and its gradient ``p (A + 2 s lse) - w q`` (A = sum_j w_j q_j) through the
+    cap, times grad_scale."""
+    classes = logits.shape[1]
+    u = _capped(logits, softcap)
+    w = torch.ones(classes, dtype=torch.float64, device=u.device) if weight is None else weight.to(torch.float64)
+    q = (1.0 - label_smoothing) * target.to(torch.float64) + label_smoothing / classes
+    weighted = w * q
+    row_lse = u.logsumexp(-1)
+    per_row = -(weighted * torch.log_softmax(u, -1)).sum(-1)
+    if lse_square_scale:
+        per_row = per_row + lse_square_scale * row_lse.square()
+    lse.copy_(row_lse)
+    loss.copy_(per_row)
+    if grad_logits is None:
+        return
+    mass = weighted.sum(-1) + 2.0 * lse_square_scale * row_lse
+    grad_u = torch.softmax(u, -1) * mass.unsqueeze(1) - weighted
+    grad = grad_u * (1.0 - (u / softcap).square()) if softcap else grad_u
+    grad_logits.copy_(grad * grad_scale.to(torch.float64).unsqueeze(1))
+
+
 def scale(grad_logits, factor) -> None:
     """grad_logits *= factor in float64 (one value, shape (1,), or one per row); one value of exactly 1 read on
     the host leaves grad_logits untouched (CPU tensors only: elsewhere that would synchronise)."""

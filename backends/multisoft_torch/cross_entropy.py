@@ -134,6 +134,43 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             grad_logits[rows] = grad
 
 
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
+                          softcap: float, lse_square_scale: float) -> None:
+    """Class-probability targets, a chunk of rows at a time in float32 (float64 for float64 logits): with
+    q = (1 - eps) * target + eps / C and A = sum_j w_j q_j, loss = sum_j w_j q_j ((m - u_j) + log S) + s lse**2
+    and, when ``grad_logits`` is given, grad_scale * du/dx * (p * (A + 2 s lse) - w q)."""
+    classes = logits.shape[1]
+    compute = lse.dtype
+    for rows in _chunks.slices(*logits.shape, logits.device):
+        u = logits[rows].to(compute)
+        if softcap:
+            u = torch.tanh(u / softcap).mul_(softcap)
+        weighted = target[rows].to(compute).mul(1.0 - label_smoothing).add_(label_smoothing / classes)
+        if weight is not None:
+            weighted.mul_(weight)
+        row_max = u.amax(-1, keepdim=True)
+        shifted = row_max - u  # m - u_j >= 0 (NaN where the max is infinite, as torch's log_softmax is there)
+        exponentials = torch.exp(-shifted)
+        sums = exponentials.sum(-1)
+        log_sum = sums.log()
+        row_max = row_max.squeeze(1)
+        row_lse = torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)
+        mass = weighted.sum(-1)
+        per_row = (weighted * shifted).sum(-1) + mass * log_sum
+        if lse_square_scale:
+            per_row = per_row + lse_square_scale * row_lse.square()
+        lse[rows] = row_lse
+        loss[rows] = per_row
+        if grad_logits is None:
+            continue
+        if lse_square_scale:
+            mass = mass + 2.0 * lse_square_scale * row_lse
+        grad = exponentials.mul_((mass / sums).unsqueeze(1)).sub_(weighted)
+        if softcap:
+            grad.mul_(u.div_(softcap).square_().neg_().add_(1.0))
+        grad_logits[rows] = grad.mul_(grad_scale[rows].unsqueeze(1))
+
+
 def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
     """For a slice of each row's classes, from the whole row's max m and sum S of exp(u - m):
     grad_logits = du/dx * (a * exp(u - m) / S - b at the target - c * w), (a, b, c) = ``coefficients``; a

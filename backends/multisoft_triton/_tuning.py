@@ -49,6 +49,11 @@ CE_TILE_ELEMENTS = 8192
 CE_LOOP_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
 # The same for a program that streams its row twice to write the gradient too (docs/tuning.md).
 CE_LOOP_GRAD_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
+# (columns loaded at once, num_warps) of a streamed row of class-probability targets (`probabilities_forward`), with
+# or without the gradient: each chunk loads the targets beside the logits, so half the float32 columns of
+# CE_LOOP_CONFIGS and twice the 16-bit warps keep a thread's registers at what the class-index loop holds; not yet
+# measured against other configs (no line in docs/tuning.md).
+CE_PROBABILITIES_LOOP_CONFIGS = {4: (8192, 8), 2: (8192, 8)}
 # Columns, and elements, of one program of the backward's scaling of the gradient (`scale`) (docs/tuning.md).
 CE_SCALE_BLOCK = 8192
 # The gradient of a slice of the classes from the whole row's statistics (`gradient`, vocabulary-parallel): most

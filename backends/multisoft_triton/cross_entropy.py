@@ -13,6 +13,10 @@ separate specialisation, WRITE_STATS): the statistics of a slice of the classes,
 ranks for vocabulary-parallel cross-entropy. `gradient` then writes that slice's gradient from the whole row's
 statistics, one elementwise sweep cut into tiles of rows x columns: it has no reduction, so a row of any length is
 shared among as many programs as it has tiles.
+
+`probabilities_forward` is the forward for class-probability targets, (M, C) like the logits: the same tile / loop
+split, each pass reading a row's targets beside its logits, its loss sum_j w_j q_j ((m - u_j) + log S) kept
+relative to the (running) max so that no lse rounded to float32 enters it.
 """
 import triton
 import triton.language as tl
@@ -298,6 +302,119 @@ def _gradient_kernel(logits_ptr, target_ptr, weight_ptr, row_max_sum_ptr, coeffi
     tl.store(grad_ptr + offsets, (grad * du).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _weighted_probabilities(target, weight_ptr, cols, col_mask, mask, keep, smooth_per_class,
+                            HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
+    """w_j * q_j of float32 targets, q_j = (1 - eps) * target_j + eps / C; 0 outside the row (where mask is
+    False). cols and col_mask index the weight and broadcast against target."""
+    q = target
+    if SMOOTH:
+        q = keep * target + smooth_per_class
+    if HAS_WEIGHT:
+        q = q * tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return tl.where(mask, q, 0.0)
+
+
+@triton.jit
+def _probabilities_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, grad_ptr, grad_scale_ptr,
+                               grad_scale_stride, M, C, keep, smooth_per_class, softcap, inv_softcap,
+                               lse_square_scale, ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                               SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, ZLOSS: tl.constexpr,
+                               WRITE_GRAD: tl.constexpr):
+    """ROWS whole rows of BLOCK (>= C) columns a program, logits and targets held in registers from their one read
+    to the gradient."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_mask = rows < M
+    col_mask = cols < C
+    mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * C + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32)
+    target = tl.load(target_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u, du = _capped(x, softcap, inv_softcap, SOFTCAP)
+    if SOFTCAP:
+        u = tl.where(mask, u, -float("inf"))
+    shift = safe_shift(tl.max(u, axis=1))
+    e = fast_exp(u - shift[:, None])
+    total = tl.sum(e, axis=1)
+    log_sum = tl.log(total)
+    lse = shift + log_sum
+    wq = _weighted_probabilities(target, weight_ptr, cols[None, :], col_mask[None, :], mask, keep,
+                                 smooth_per_class, HAS_WEIGHT, SMOOTH)
+    # outside the row wq is 0 and u -inf: 0 * inf there is no NaN of the row's
+    loss = tl.sum(tl.where(mask, wq * ((shift[:, None] - u) + log_sum[:, None]), 0.0), axis=1)
+    if ZLOSS:
+        loss += lse_square_scale * lse * lse
+    tl.store(lse_ptr + rows, lse, mask=row_mask)
+    tl.store(loss_ptr + rows, loss, mask=row_mask)
+    if WRITE_GRAD:
+        grad_scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=row_mask, other=0.0)
+        p_scale = tl.sum(wq, axis=1)
+        if ZLOSS:
+            p_scale += 2.0 * lse_square_scale * lse
+        p_factor = p_scale * grad_scale / total
+        grad = (e * p_factor[:, None] - wq * grad_scale[:, None]) * du
+        tl.store(grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _probabilities_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, grad_ptr, grad_scale_ptr,
+                               grad_scale_stride, C, keep, smooth_per_class, softcap, inv_softcap, lse_square_scale,
+                               BLOCK: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
+                               SOFTCAP: tl.constexpr, ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr):
+    """One row a program, logits and targets streamed in chunks of BLOCK with an online logsumexp; with WRITE_GRAD
+    streamed again, last chunk first, to write the gradient."""
+    row = tl.program_id(0).to(tl.int64)
+    row_start = row * C
+    cols = tl.arange(0, BLOCK)
+    run_max = tl.full((), -float("inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    # shifted_sum = sum(w q (shift - u)) over the columns seen, relative to the latest shift; wq_sum = sum(w q)
+    shift = tl.zeros((), tl.float32)
+    shifted_sum = tl.zeros((), tl.float32)
+    wq_sum = tl.zeros((), tl.float32)
+    for start in tl.range(0, C, BLOCK):
+        mask = start + cols < C
+        x = tl.load(logits_ptr + row_start + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        target = tl.load(target_ptr + row_start + start + cols, mask=mask, other=0.0).to(tl.float32)
+        u, _ = _capped(x, softcap, inv_softcap, SOFTCAP)
+        if SOFTCAP:
+            u = tl.where(mask, u, -float("inf"))
+        previous_shift = shift
+        run_max, shift, run_sum = online_max(run_max, run_sum, tl.max(u, axis=0))
+        run_sum += tl.sum(fast_exp(u - shift), axis=0)
+        wq = _weighted_probabilities(target, weight_ptr, start + cols, mask, mask, keep, smooth_per_class,
+                                     HAS_WEIGHT, SMOOTH)
+        shifted_sum += wq_sum * (shift - previous_shift)
+        shifted_sum += tl.sum(tl.where(mask, wq * (shift - u), 0.0), axis=0)
+        wq_sum += tl.sum(wq, axis=0)
+    log_sum = tl.log(run_sum)
+    lse = shift + log_sum
+    loss = shifted_sum + wq_sum * log_sum
+    if ZLOSS:
+        loss += lse_square_scale * lse * lse
+    tl.store(lse_ptr + row, lse)
+    tl.store(loss_ptr + row, loss)
+    if WRITE_GRAD:
+        grad_scale = tl.load(grad_scale_ptr + row * grad_scale_stride)
+        p_scale = wq_sum
+        if ZLOSS:
+            p_scale += 2.0 * lse_square_scale * lse
+        p_factor = p_scale * grad_scale / run_sum
+        chunks = tl.cdiv(C, BLOCK)
+        for chunk in tl.range(0, chunks):
+            start = (chunks - 1 - chunk) * BLOCK
+            offsets = start + cols
+            mask = offsets < C
+            x = tl.load(logits_ptr + row_start + offsets, mask=mask, other=0.0).to(tl.float32)
+            target = tl.load(target_ptr + row_start + offsets, mask=mask, other=0.0).to(tl.float32)
+            u, du = _capped(x, softcap, inv_softcap, SOFTCAP)
+            wq = _weighted_probabilities(target, weight_ptr, offsets, mask, mask, keep, smooth_per_class,
+                                         HAS_WEIGHT, SMOOTH)
+            grad = (fast_exp(u - shift) * p_factor - wq * grad_scale) * du
+            tl.store(grad_ptr + row_start + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
 def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index, label_smoothing,
             softcap, lse_square_scale, row_stats=None):
     """Per-row loss, logsumexp and weight of the (M, C) logits and, when grad_logits is given (it may be the logits
@@ -366,3 +483,30 @@ def scale(grad_logits, factor):
     with on_device(grad_logits):
         launch(_scale_kernel, grid, grad_logits, factor, M, C, ROWS=rows, BLOCK=block, PER_ROW=per_row,
                num_warps=warps_for(rows * block), **LAUNCH)
+
+
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing, softcap,
+                          lse_square_scale):
+    """Per-row loss and logsumexp of the (M, C) logits against (M, C) class-probability targets and, when
+    grad_logits is given (never the logits themselves), grad_scale[i] * dloss_i / dlogits into it."""
+    M, C = logits.shape
+    if M == 0:
+        return
+    smoothing = float(label_smoothing)
+    capped, softcap = _capped_softcap(softcap)
+    write_grad = grad_logits is not None
+    flags = dict(HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0.0, SOFTCAP=capped,
+                 ZLOSS=float(lse_square_scale) > 0.0, WRITE_GRAD=write_grad)
+    args = (logits, target, weight if weight is not None else lse, loss, lse, grad_logits if write_grad else lse,
+            grad_scale if write_grad else lse, grad_scale.stride(0) if write_grad else 0)
+    options = (1.0 - smoothing, smoothing / C, softcap, 1.0 / softcap, float(lse_square_scale))
+    block = next_power_of_2(C)
+    with on_device(logits):
+        if block <= _tuning.CE_TILE_MAX:
+            rows = max(1, min(_tuning.CE_TILE_ELEMENTS // block, next_power_of_2(M)))
+            launch(_probabilities_tile_kernel, (triton.cdiv(M, rows),), *args, M, C, *options, ROWS=rows,
+                   BLOCK=block, num_warps=warps_for(rows * block), **flags, **LAUNCH)
+        else:
+            loop_block, warps = _tuning.CE_PROBABILITIES_LOOP_CONFIGS[logits.element_size()]
+            launch(_probabilities_loop_kernel, (M,), *args, C, *options, BLOCK=loop_block, num_warps=warps,
+                   **flags, **LAUNCH)
