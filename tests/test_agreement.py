@@ -249,6 +249,30 @@ def test_a_nan_anywhere_in_a_row_makes_the_row_nan(backend, dtype, shape):
     assert_close(gradient, expected_gradient, dtype, "cross_entropy gradient")
 
 
+@pytest.mark.parametrize("classes", [37, 9000], ids=lambda c: f"C{c}")
+@on_each_backend
+def test_a_positive_infinity_makes_the_cross_entropy_row_nan(backend, classes):
+    """A logit of +inf makes torch's log_softmax NaN throughout its row, so its cross-entropy (class indices or
+    probabilities) and its gradient row are NaN, as torch's are; the other rows are unharmed."""
+    _skip_big(backend, 3 * classes)
+    x = torch.randn(3, classes, device=DEVICE)
+    x[0, classes // 2] = float("inf")
+    x[1, 1] = float("inf")
+    x[1, 2] = float("-inf")
+    for target in (torch.tensor([0, 1, 2], device=DEVICE), torch.softmax(torch.randn(3, classes, device=DEVICE), 1)):
+        kind = "probabilities" if target.is_floating_point() else "class indices"
+        leaf = x.clone().requires_grad_()
+        loss = multisoft.cross_entropy(leaf, target, reduction="none", backend=backend)
+        expected_leaf = x.double().requires_grad_()
+        expected = reference_cross_entropy(expected_leaf, target, reduction="none")
+        assert torch.isnan(expected[:2]).all(), "torch's own loss of a row holding +inf is NaN"
+        assert_close(loss, expected, torch.float32, f"loss ({kind})")
+        ones = torch.ones(3, dtype=torch.float64, device=DEVICE)
+        (gradient,) = torch.autograd.grad(loss, leaf, ones.float())
+        (expected_gradient,) = torch.autograd.grad(expected, expected_leaf, ones)
+        assert_close(gradient, expected_gradient, torch.float32, f"gradient ({kind})")
+
+
 # -- block-sparse softmax
 
 

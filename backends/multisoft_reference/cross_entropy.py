@@ -27,6 +27,8 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
         per_row = per_row + eps / classes * ((row_lse.unsqueeze(1) - u) * w).sum(-1)
     if s:
         per_row = per_row + s * row_lse.square()
+    # a +inf logit: torch's log_softmax is NaN throughout the row (inf - inf), so its loss is NaN, not lse - u = inf
+    per_row = torch.where(u.amax(-1) == float("inf"), float("nan"), per_row)
     lse.copy_(row_lse)
     loss.copy_(torch.where(ignored, 0.0, torch.where(in_range, per_row, float("nan"))))
     row_weight.copy_(torch.where(ignored, 0.0, target_weight))
