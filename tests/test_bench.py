@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from multisoft import bench
-from multisoft.bench import command, headline, plan, records, report, run, timing
+from multisoft.bench import command, headline, impls, plan, records, report, run, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,6 +202,193 @@ def test_quick_plan_is_small():
     assert sum(len(op_cases) for op_cases in cases.values()) <= 16
 
 
+OPTIONS = {"softcap": 30.0, "lse_square_scale": 1e-4}
+
+
+def test_cross_entropy_plan_adds_the_option_cases_and_keeps_the_plain_ones():
+    """Beside the plain cases (labels and group as before): softcap 30 and z-loss 1e-4 at bf16 8192x128256 and fp32
+    8192x32000, labelled with the options, bytes at the same two-pass floor; --quick: its one shape in every dtype;
+    --headline: none."""
+    cases = plan.plan_cases(["cross_entropy"], quick=False)["cross_entropy"]
+    plain = [c for c in cases if not c.options]
+    assert [(c.label, c.group, c.dtypes) for c in plain] == [
+        ("8192x32000", "headline", ()), ("8192x128256", "headline", ()), ("4096x262144", "headline", ()),
+        ("16384x151936", "headline", ())]
+    assert [(c.label, c.shape, c.n, c.dtypes, c.options, c.group) for c in cases[len(plain):]] == [
+        ("8192x128256 softcap=30 z=1e-4", (8192, 128256), 128256, ("bf16",), OPTIONS, "options"),
+        ("8192x32000 softcap=30 z=1e-4", (8192, 32000), 32000, ("fp32",), OPTIONS, "options")]
+    bf16_case = cases[len(plain)]
+    assert run.case_dtypes(bf16_case, ["fp32", "bf16"]) == ["bf16"]
+    assert plan.bytes_moved("cross_entropy", "forward+backward", bf16_case.elements, 2) == 2 * 8192 * 128256 * 2
+    quick = plan.plan_cases(["cross_entropy"], quick=True)["cross_entropy"]
+    assert [(c.label, c.dtypes, c.options) for c in quick] == [
+        ("8192x32000", (), {}), ("8192x32000 softcap=30 z=1e-4", (), OPTIONS)]
+    headline_cases = plan.plan_cases(["cross_entropy"], quick=False, headline=True)["cross_entropy"]
+    assert [c.options for c in headline_cases] == [{}]
+
+
+def _option_inputs(dtype_name="fp32"):
+    """Inputs of a tiny option case on the CPU, the logits spread wide enough for the softcap to bend them."""
+    import torch
+
+    case = plan.option_cases([((8, 100), ())])[0]
+    torch.manual_seed(0)
+    inputs = impls.make_inputs(case, dtype_name, "cpu")
+    inputs["x"] = inputs["x"] * 40
+    return case, inputs
+
+
+def test_an_option_case_gives_the_torch_backend_and_peer_its_options():
+    """The loss and gradient of the torch backend (and its in-place call's loss) and of the torch peer on an option
+    case are the float64 reference's with softcap 30 and z-loss 1e-4, which differ from those without either."""
+    import torch
+
+    from multisoft.check import reference_cross_entropy
+
+    case, inputs = _option_inputs()
+    assert inputs["options"] == OPTIONS and case.options == OPTIONS
+    x, target = inputs["x"], inputs["target"]
+    leaf = x.double().requires_grad_(True)
+    expected = reference_cross_entropy(leaf, target, softcap=30, lse_square_scale=1e-4)
+    (expected_grad,) = torch.autograd.grad(expected, leaf)
+    expected = expected.detach()
+    for other in (reference_cross_entropy(x, target, softcap=30), reference_cross_entropy(x, target,
+                                                                                          lse_square_scale=1e-4)):
+        assert abs(float(other) - float(expected)) > 1e-3 * abs(float(expected))
+    for impl in (impls.backend_impl("torch"), impls.torch_peer()):
+        assert not impls.lacking_options(impl, case.options)
+        own = x.detach().clone().requires_grad_(True)
+        loss = impl.make("cross_entropy", inputs)(own)
+        loss.backward()
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=0,
+                                   msg=lambda text: f"{impl.name} loss: {text}")
+        torch.testing.assert_close(own.grad.double(), expected_grad, rtol=1e-4, atol=1e-7,
+                                   msg=lambda text: f"{impl.name} gradient: {text}")
+    loss = impls.inplace_impl("torch").make("cross_entropy", inputs)(x.detach().clone().requires_grad_(True))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=0)
+    # a plain case's call is the plain F.cross_entropy
+    plain = dict(inputs, options={})
+    torch.testing.assert_close(impls.torch_peer().make("cross_entropy", plain)(x).double(),
+                               reference_cross_entropy(x, target), rtol=1e-5, atol=0)
+
+
+class _LigerFunction085:
+    """Liger-Kernel 0.8.5's LigerCrossEntropyFunction as far as the benchmark sees it: its forward's signature, and
+    an ``apply`` that records the positional arguments it is given."""
+
+    calls: list = []
+
+    @staticmethod
+    def forward(ctx, _input, target, weight, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+                reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False,
+                return_predicted_tokens=False):
+        raise AssertionError("called through apply only")
+
+    @classmethod
+    def apply(cls, *args):
+        cls.calls.append(args)
+        return args[0].sum(), None, None, None
+
+
+class _LigerFunctionWithoutSoftcap(_LigerFunction085):
+    calls: list = []
+
+    @staticmethod
+    def forward(ctx, _input, target, weight, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+                reduction="mean"):
+        raise AssertionError("called through apply only")
+
+
+def _fake_liger(monkeypatch, function=None, loss_module=None):
+    """Liger-Kernel importable with ``function`` as liger_kernel.ops.cross_entropy's LigerCrossEntropyFunction, or
+    without that module and ``loss_module`` as liger_kernel.transformers' LigerCrossEntropyLoss; no softmax."""
+    import importlib.metadata
+    import types
+
+    package, ops = types.ModuleType("liger_kernel"), types.ModuleType("liger_kernel.ops")
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops", ops)
+    if function is not None:
+        module = types.ModuleType("liger_kernel.ops.cross_entropy")
+        module.LigerCrossEntropyFunction = function
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    if loss_module is not None:
+        transformers = types.ModuleType("liger_kernel.transformers")
+        transformers.LigerCrossEntropyLoss = loss_module
+        monkeypatch.setitem(sys.modules, transformers.__name__, transformers)
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.8.5" if name == "liger-kernel" else version(name))
+
+
+def test_liger_gets_softcap_and_z_loss_by_their_position_in_its_signature(monkeypatch):
+    """LigerCrossEntropyFunction.apply(_input, target, weight, ignore_index, lse_square_scale, label_smoothing,
+    reduction, softcap): an option case passes the options there, a plain case the call of before."""
+    _LigerFunction085.calls = []
+    _fake_liger(monkeypatch, function=_LigerFunction085)
+    liger, note = impls.liger_peer()
+    assert liger.name == "liger" and liger.ops == ("cross_entropy",) and note.startswith("0.8.5 (softmax: error")
+    assert set(liger.options) >= {"softcap", "lse_square_scale"}
+    _, inputs = _option_inputs()
+    x, target = inputs["x"], inputs["target"]
+    assert liger.make("cross_entropy", inputs)(x) == x.sum()
+    liger.make("cross_entropy", dict(inputs, options={}))(x)
+    (option_call, plain_call) = _LigerFunction085.calls
+    assert option_call[0] is x and option_call[1] is target
+    assert option_call[2:] == (None, -100, 1e-4, 0.0, "mean", 30.0)
+    assert plain_call[2:] == (None,)
+
+
+def test_liger_loss_module_gets_the_options_by_keyword(monkeypatch):
+    import torch
+
+    built = []
+
+    class LossModule:
+        def __init__(self, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
+                     softcap=None):
+            built.append(dict(lse_square_scale=lse_square_scale, softcap=softcap, reduction=reduction))
+
+        def __call__(self, x, target):
+            return torch.zeros(())
+
+    _fake_liger(monkeypatch, loss_module=LossModule)
+    liger, _ = impls.liger_peer()
+    _, inputs = _option_inputs()
+    liger.make("cross_entropy", inputs)(inputs["x"])
+    assert built == [dict(lse_square_scale=1e-4, softcap=30.0, reduction="mean")]
+
+
+def test_an_implementation_without_an_option_is_left_out_of_its_cases_with_the_reason(monkeypatch):
+    """A Liger-Kernel whose cross-entropy takes no softcap: the option case's cells are not timed (its call never
+    made), each with the reason; the plain case is timed."""
+    import argparse
+
+    _LigerFunctionWithoutSoftcap.calls = []
+    _fake_liger(monkeypatch, function=_LigerFunctionWithoutSoftcap)
+    liger, _ = impls.liger_peer()
+    assert "softcap" not in liger.options and "lse_square_scale" in liger.options
+    case, inputs = _option_inputs()
+    assert impls.lacking_options(liger, case.options) == "not timed: liger takes no softcap"
+    assert impls.lacking_options(liger, {}) == ""
+    with pytest.raises(TypeError, match="takes no softcap"):
+        liger.make("cross_entropy", inputs)
+    monkeypatch.setattr(timing, "make_timer", lambda warmup, rep, kind: (lambda fn: (fn(), 1.0)[1], "test"))
+    monkeypatch.setattr(timing, "make_eager_timer", lambda kind, rep: (None, "test"))
+    monkeypatch.setattr(timing, "first_call_ms", lambda fn: (fn(), 1.0)[1])
+    runner = run.Runner(argparse.Namespace(warmup=1.0, rep=1.0, timer="queued", eager_rep=1.0, headline=False))
+    results = records.Results({}, None)
+    runner.measure(liger, case, "fp32", inputs, results)
+    assert [(t.shape, t.direction, t.ms, t.note) for t in results.timings] == [
+        (case.label, direction, None, "not timed: liger takes no softcap") for direction in plan.OP_DIRECTIONS[
+            "cross_entropy"]]
+    assert _LigerFunctionWithoutSoftcap.calls == []
+    plain_case = plan.dense_cases("cross_entropy", [(8, 100)], [])[0]
+    runner.measure(liger, plain_case, "fp32", dict(inputs, options={}), results)
+    assert [(t.shape, t.ms, t.note) for t in results.timings[2:]] == [("8x100", 1.0, "")] * 2
+    assert _LigerFunctionWithoutSoftcap.calls
+
+
 def _timing(op, impl, dtype, shape, direction, fraction, role="backend", group="headline", n=0, note="",
             eager=None):
     """A Timing whose kernel time reaches ``fraction`` of a 4000 GB/s copy, and its eager time ``eager``."""
@@ -309,6 +496,44 @@ def test_reports(tmp_path):
     sweep = text[text.index("<details><summary>sweep"):]
     sweep = sweep[:sweep.index("</details>")]
     assert sweep.index("| 65536x1024 |") < sweep.index("| 1024x65536 |")
+
+
+def test_option_cases_are_rows_of_the_cross_entropy_tables_of_their_own(tmp_path):
+    """An option case's cells: rows labelled with the options in the cross-entropy tables, with a note saying what
+    they time (torch-native: torch ops composed), an implementation left out with its reason below; not held to the
+    targets; the plain rows and the CSV columns as without them."""
+    plain_out, out = tmp_path / "plain", tmp_path / "options"
+    report.write_reports(_fake_results(), plain_out)
+    results = _fake_results()
+    label = "8192x32000 softcap=30 z=1e-4"
+    for direction in plan.OP_DIRECTIONS["cross_entropy"]:
+        results.timings += [
+            _timing("cross_entropy", "triton", "fp32", label, direction, 0.61, group="options", eager=0.5),
+            _timing("cross_entropy", "torch-native", "fp32", label, direction, 0.2, role="peer", group="options",
+                    eager=0.19),
+            _timing("cross_entropy", "liger", "fp32", label, direction, None, role="peer", group="options",
+                    note="not timed: liger takes no softcap")]
+    report.write_reports(results, out)
+
+    def rows(folder):
+        with open(folder / "timings.csv", newline="") as handle:
+            return list(csv.DictReader(handle))
+    assert list(rows(out)[0]) == list(rows(plain_out)[0])
+    assert [r for r in rows(out) if r["group"] != "options"] == rows(plain_out)
+    text = (out / "results.md").read_text()
+    cross_entropy = text[text.index("## cross_entropy"):]
+    cross_entropy = cross_entropy[:cross_entropy.index("\n## ", 1)]
+    forward_backward = cross_entropy[:cross_entropy.index("**forward**")]
+    assert "| 8192x32000 | fp32 | **0.88** / 0.61 | 0.70 / 0.52 | — |" in forward_backward
+    assert f"| {label} | fp32 | **0.61** / 0.50 | — | 0.20 / 0.19 |" in forward_backward
+    assert report.options_note() in cross_entropy
+    assert "`F.cross_entropy(u, target) + 0.0001 * (torch.logsumexp(u, -1) ** 2).mean()` with " \
+           "`u = 30 * torch.tanh(x / 30)`" in report.options_note()
+    assert f"- liger: not timed: liger takes no softcap (fp32 {label} forward and 1 more)" in cross_entropy
+    assert "Rows labelled" not in (plain_out / "results.md").read_text()
+    assert report.against_targets(results.timings)["triton"][1] == \
+        report.against_targets(_fake_results().timings)["triton"][1]
+    assert report.markdown_report(records.read_results(out)) == text
 
 
 def test_targets_section_lists_the_cells_below_each_backends_target():

@@ -355,10 +355,12 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
     assert len([r for r in torch_rows if r["op"] == "softmax"]) == 3 * 2 * 3
     # cross-entropy: forward and forward+backward (no backward of its own), 1 x and 2 x M·V x element size
     for impl in ("torch", "torch-native"):
-        cells = [(r["dtype"], r["direction"], int(r["bytes"])) for r in rows
+        cells = [(r["dtype"], r["shape"], r["direction"], int(r["bytes"])) for r in rows
                  if r["impl"] == impl and r["op"] == "cross_entropy"]
-        assert cells == [("fp32", "forward", 8 * 100 * 4), ("fp32", "forward+backward", 2 * 8 * 100 * 4),
-                         ("bf16", "forward", 8 * 100 * 2), ("bf16", "forward+backward", 2 * 8 * 100 * 2)]
+        assert cells == [(dtype, shape, direction, factor * 8 * 100 * size)
+                         for dtype, size in (("fp32", 4), ("bf16", 2))
+                         for shape in ("8x100", "8x100 softcap=30 z=1e-4")
+                         for direction, factor in (("forward", 1), ("forward+backward", 2))]
     # the long copy, then a copy of each dense headline shape's bytes (softmax's and cross-entropy's), 2 dtypes
     copies = [(r["shape"], r["dtype"], int(r["bytes"])) for r in rows
               if r["op"] == "copy" and r["group"] == "headline"]
@@ -371,7 +373,7 @@ def test_dry_run_on_cpu(tmp_path, monkeypatch):
     assert all(r["note"].startswith("error: ModuleNotFoundError") for r in failing if r["op"] == "cross_entropy")
     assert all(r["impl"] != "broken" or r["note"].startswith("error:") for r in rows)
     inplace = [r for r in rows if r["impl"] == "torch inplace"]
-    assert [r["direction"] for r in inplace] == ["forward+backward"] * 2 and all(r["ms"] for r in inplace)
+    assert [r["direction"] for r in inplace] == ["forward+backward"] * 4 and all(r["ms"] for r in inplace)
     for row in inplace:  # timed in its case, beside the ordinary call: only that case's rows between the two
         at = rows.index(row)
         plain = rows.index(next(r for r in rows if (r["impl"], r["op"], r["shape"], r["dtype"], r["direction"]) == (

@@ -2,7 +2,8 @@
 
 Times forward, backward and forward+backward of softmax, log_softmax and
 blocksparse_softmax, and forward and forward+backward of cross_entropy (whose
-forward computes the gradient and whose backward only scales it), on each
+forward computes the gradient and whose backward only scales it; also with
+softcap and z-loss, in rows of their own), on each
 backend that can run here (those selectable only by name, such as a float64
 reference, are not timed), next to torch's own ops and Liger-Kernel's (when
 importable), with CUDA events (median, L2 cleared between repetitions) twice:

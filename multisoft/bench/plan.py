@@ -51,6 +51,14 @@ QUICK_SWEEP_COLS = [1024, 32768, 1 << 20]
 QUICK_CROSS_ENTROPY = [(8192, 32000)]
 QUICK_LAYOUTS = [(64, 0.25, False), (64, 0.25, True)]
 
+# Cross-entropy with the options of LLM training: Gemma 2's logit softcap and PaLM's z-loss, each case labelled
+# "<M>x<V> " + CROSS_ENTROPY_OPTIONS_LABEL, timed in its own dtypes (--quick: the first quick shape, every dtype).
+# Their bytes are the plain cases' (the same two-pass floor); they are not held to the backends' targets.
+CROSS_ENTROPY_OPTIONS = {"softcap": 30.0, "lse_square_scale": 1e-4}
+CROSS_ENTROPY_OPTIONS_LABEL = "softcap=30 z=1e-4"
+CROSS_ENTROPY_OPTION_CELLS = [((8192, 128256), ("bf16",)), ((8192, 32000), ("fp32",))]
+OPTIONS_GROUP = "options"
+
 COPY_BYTES = 1 << 30  # the long copy every result is a fraction of: 1 GiB read, 1 GiB written
 
 
@@ -59,7 +67,7 @@ class Case:
     """One input of one op: a dense (M, N) shape or a block-sparse layout."""
 
     op: str
-    group: str  # "headline", "sweep", "headline,sweep" or "layout"
+    group: str  # "headline", "sweep", "headline,sweep", "layout" or OPTIONS_GROUP
     label: str
     shape: tuple
     elements: int
@@ -68,6 +76,7 @@ class Case:
     block: int = 0
     causal: bool = False
     dtypes: tuple = ()  # only these dtypes (of those asked for); empty: every one asked for
+    options: dict = dataclasses.field(default_factory=dict)  # cross-entropy's keyword options, e.g. softcap
 
 
 def bytes_moved(op: str, direction: str, elements: int, element_size: int) -> int:
@@ -103,6 +112,13 @@ def dense_cases(op: str, headline: list, sweep: list) -> list[Case]:
                          if (rows, cols) in shapes)
         cases.append(Case(op, group, f"{rows}x{cols}", (rows, cols), rows * cols, n=cols))
     return cases
+
+
+def option_cases(cells: list) -> list[Case]:
+    """Cross-entropy with CROSS_ENTROPY_OPTIONS: one case per ((M, V), dtypes) of ``cells``."""
+    return [Case("cross_entropy", OPTIONS_GROUP, f"{rows}x{cols} {CROSS_ENTROPY_OPTIONS_LABEL}", (rows, cols),
+                 rows * cols, n=cols, dtypes=dtypes, options=dict(CROSS_ENTROPY_OPTIONS))
+            for (rows, cols), dtypes in cells]
 
 
 def make_layout(block: int, density: float, causal: bool, heads: int, seq: int, seed: int = 0):
@@ -153,8 +169,9 @@ def headline_cases(ops: list[str]) -> dict[str, list[Case]]:
 
 
 def plan_cases(ops: list[str], quick: bool, headline: bool = False) -> dict[str, list[Case]]:
-    """The cases of each op of OPS: every shape and layout above, with ``quick`` the QUICK_ ones, with ``headline``
-    HEADLINE_CELLS only (EXTRA_OPS plan their own cases)."""
+    """The cases of each op of OPS: every shape and layout above (cross-entropy's plain cases, then those with
+    CROSS_ENTROPY_OPTIONS), with ``quick`` the QUICK_ ones, with ``headline`` HEADLINE_CELLS only (EXTRA_OPS plan
+    their own cases)."""
     if headline:
         return headline_cases(ops)
     headline_shapes = QUICK_HEADLINE if quick else HEADLINE
@@ -165,7 +182,8 @@ def plan_cases(ops: list[str], quick: bool, headline: bool = False) -> dict[str,
             plan[op] = dense_cases(op, headline_shapes, sweep)
         elif op == "cross_entropy":
             shapes = QUICK_CROSS_ENTROPY if quick else CROSS_ENTROPY
-            plan[op] = dense_cases(op, shapes, [])
+            cells = [(shape, ()) for shape in QUICK_CROSS_ENTROPY[:1]] if quick else CROSS_ENTROPY_OPTION_CELLS
+            plan[op] = dense_cases(op, shapes, []) + option_cases(cells)
         elif op == "blocksparse_softmax":
             plan[op] = blocksparse_cases(QUICK_LAYOUTS if quick else LAYOUTS)
     return plan

@@ -23,7 +23,7 @@ class Timing:
     impl: str
     role: str  # "backend", "peer" or "copy"
     dtype: str
-    group: str  # "headline", "sweep", "headline,sweep" or "layout"
+    group: str  # "headline", "sweep", "headline,sweep", "layout" or "options" (cross-entropy with options)
     shape: str
     n: int  # row length, for the sweep plots (0 for block-sparse)
     direction: str

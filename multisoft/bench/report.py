@@ -74,10 +74,24 @@ def _op_section(op: str, timings: list[Timing]) -> list[str]:
             if table:
                 lines += [f"**{direction}**", ""] + table + [""]
         lines += ["</details>", ""]
+    if any(t.group == plan.OPTIONS_GROUP for t in timings):
+        lines += [options_note(), ""]
     problems = _problems(timings)
     if problems:
         lines += ["Errors (`error`) and cells not timed (`—`):", ""] + problems + [""]
     return lines
+
+
+def options_note() -> str:
+    """What the rows labelled with plan.CROSS_ENTROPY_OPTIONS_LABEL time, for results.md."""
+    softcap, scale = plan.CROSS_ENTROPY_OPTIONS["softcap"], plan.CROSS_ENTROPY_OPTIONS["lse_square_scale"]
+    return (f"Rows labelled `{plan.CROSS_ENTROPY_OPTIONS_LABEL}`: the loss with Gemma 2's logit softcap and PaLM's "
+            f"z-loss, `multisoft.cross_entropy(x, target, softcap={softcap:g}, lse_square_scale={scale:g})`, bytes "
+            "counted at the same two-pass floor, not held to the targets. `torch-native` there is the torch ops a "
+            f"user without multisoft writes: `F.cross_entropy(u, target) + {scale:g} * (torch.logsumexp(u, -1) ** "
+            f"2).mean()` with `u = {softcap:g} * torch.tanh(x / {softcap:g})`; `liger`: `LigerCrossEntropyFunction` "
+            "given its `softcap` and `lse_square_scale`. An implementation that lacks an option is not timed there "
+            "(`—`, with the reason under the tables).")
 
 
 def _problems(timings: list[Timing]) -> list[str]:

@@ -70,7 +70,7 @@ class Runner:
         """Time each of ``impl``'s directions on ``case`` (of those this run times): a Timing each, with the kernel
         time and then the eager wall time of the same call (and a FirstCall for each first forward and backward of
         an op)."""
-        skip = self.skip_reason(impl, case.op, dtype_name)
+        skip = self.skip_reason(impl, case.op, dtype_name) or impls.lacking_options(impl, case.options)
         for direction in (d for d in impls.directions_of(impl, case.op) if d in self.directions):
             record = Timing(case.op, impl.name, impl.role, dtype_name, case.group, case.label, case.n, direction,
                             bytes=plan.bytes_moved(case.op, direction, case.elements, plan.ELEMENT_SIZE[dtype_name]))
@@ -229,7 +229,7 @@ def run(args) -> Results:
     memory_impls = [impl for impl in chosen if "cross_entropy" in impl.ops]
     total = sum(len(case_dtypes(case, args.dtypes)) * len([i for i in chosen if op in i.ops])
                 for op, op_cases in cases.items() for case in op_cases)
-    total += len(memory_cases) * len(args.dtypes) * len(memory_impls)
+    total += sum(len(case_dtypes(case, args.dtypes)) for case in memory_cases) * len(memory_impls)
     total += len(linear_shapes) * len(args.dtypes) * (1 + len(linear_impls))
     host_timed = any(op in plan.OPS for op in args.ops)  # the host time a call of softmax and cross-entropy
     runner.progress = Progress(total + host_timed)
@@ -241,7 +241,8 @@ def run(args) -> Results:
                         _run_case(runner, chosen, case, dtype_name, results)
         for dtype_name in args.dtypes:
             for case in memory_cases:
-                _run_memory(runner, memory_impls, case, dtype_name, results)
+                if dtype_name in case_dtypes(case, args.dtypes):
+                    _run_memory(runner, memory_impls, case, dtype_name, results)
         results.linear = linear.run_cases(runner, linear_impls, linear_shapes, args.dtypes, timing.long_call_ms)
         if host_timed:
             runner.progress.step("host time a call")
@@ -316,7 +317,7 @@ def _run_memory(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name:
         runner.progress.step(f"memory {dtype_name} {case.label} {impl.name}")
         record = MemoryRecord(impl.name, dtype_name, case.label, None, logits_mib)
         results.memory.append(record)
-        record.note = runner.skip_reason(impl, case.op, dtype_name)
+        record.note = runner.skip_reason(impl, case.op, dtype_name) or impls.lacking_options(impl, case.options)
         if record.note:
             continue
         try:
