@@ -36,6 +36,14 @@ the chunk of logits and a pass over it a chunk (docs/tuning.md). With k chunks a
 16-bit weight's gradient is rounded k times instead of once; one chunk is a
 single matmul, as ``F.linear``'s backward computes it. The bias's gradient is
 summed in float32 (it is only V values).
+
+With ``process_group`` (vocabulary-parallel) each rank holds a slice of the
+output layer's rows, so its chunk of logits is a slice of the classes: the
+backend's forward is replaced per chunk by ``_vocab_parallel.LinearChunks``
+(pass 1, one all-gather of 4 floats a row, the combine, pass 2 in place), and
+the input's gradient, a sum over the ranks, is all-reduced once after the last
+chunk. Every rank runs as many chunks (the default chunk takes the widest
+rank's width).
 """
 
 from __future__ import annotations
@@ -47,8 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _validate
-from ._cross_entropy import _broadcast_ones, _denominator, _lse_gradient, _stats_dtype, cross_entropy
-from ._cross_entropy import validate_arguments
+from ._cross_entropy import (_broadcast_ones, _denominator, _is_dtensor, _lse_gradient, _stats_dtype, check_weight,
+                             cross_entropy, validate_arguments)
 from ._registry import get_backend, resolve_name
 
 # A chunk's logits take at most CHUNK_BYTES (or an eighth of all the logits, if less), but a chunk has at least
@@ -80,22 +88,50 @@ class _Options:
     reduction: str
     backend: str
     chunk_rows: int
+    layout: object = None     # vocabulary-parallel: this rank's slice of the classes (a _vocab_parallel._Slice)
 
 
-def _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, *, grad_scale=None, grad_lse=None,
-                want=(False, False, False), stats=None):
-    """One pass over the rows, a chunk at a time, through one logits buffer.
+class _WholeChunks:
+    """The per-chunk step over all the classes: ``step(logits, rows)`` takes the (chunk, V) logits of the rows
+    ``rows`` (a slice of all M), runs the backend's forward on them (writing the rows' loss and lse into
+    ``stats``, and with ``grad_scale`` their gradient times it in place of the logits) and adds ``grad_lse``'s
+    part of the gradient (computed from the logits before the kernel overwrites them). ``stats`` (loss_rows,
+    lse, row_weight), each (M,), or None without a loss to compute; ``grad_scale`` and ``grad_lse`` (M,) or
+    None."""
 
-    ``stats`` (loss_rows, lse, row_weight), each (M,): the backend's forward runs and writes them (and, with
-    ``grad_scale``, the gradient of the loss times grad_scale, into the logits buffer). ``grad_lse`` (M,): its
-    gradient ``grad_lse * p * du/dx`` is added (computed from the logits before the kernel overwrites them).
-    Returns (grad_input, grad_weight, grad_bias), each None unless ``want`` asks for it."""
+    def __init__(self, target, weight, options, stats, grad_scale=None, grad_lse=None):
+        self.target, self.weight, self.options, self.stats = target, weight, options, stats
+        self.grad_scale, self.grad_lse = grad_scale, grad_lse
+        self.kernels = get_backend(options.backend).kernels("cross_entropy")
+
+    def __call__(self, logits, rows: slice) -> None:
+        options, grad_scale = self.options, self.grad_scale
+        lse_part = _lse_gradient(logits, self.grad_lse[rows], options.softcap) if self.grad_lse is not None else None
+        if self.stats is not None:
+            loss_rows, lse, row_weight = self.stats
+            self.kernels.forward(logits, self.target[rows], self.weight, loss_rows[rows], lse[rows], row_weight[rows],
+                                 logits if grad_scale is not None else None,
+                                 grad_scale[rows] if grad_scale is not None else None, options.ignore_index,
+                                 options.label_smoothing, options.softcap, options.lse_square_scale)
+        if lse_part is not None:
+            if grad_scale is not None:
+                logits.add_(lse_part)
+            else:
+                logits.copy_(lse_part)
+
+    @staticmethod
+    def input_gradient(grad_input):
+        return grad_input
+
+
+def _chunk_pass(input2d, linear_weight, linear_bias, chunk_rows, step, want=(False, False, False)):
+    """One pass over the rows, a chunk at a time, through one logits buffer: ``step(logits, rows)`` computes the
+    chunk's loss and leaves in the logits their gradient where ``want`` asks for any of (grad_input,
+    grad_weight, grad_bias), which are accumulated from it and returned (each None unless asked for)."""
     rows, classes = input2d.shape[0], linear_weight.shape[0]
-    chunk_rows = min(options.chunk_rows, rows)
-    kernels = get_backend(options.backend).kernels("cross_entropy")
+    chunk_rows = min(chunk_rows, rows)
     buffer = torch.empty((chunk_rows, classes), dtype=input2d.dtype, device=input2d.device)
-    with_grad = grad_scale is not None or grad_lse is not None
-    want_input, want_weight, want_bias = want if with_grad else (False, False, False)
+    want_input, want_weight, want_bias = want
     grad_input = torch.empty_like(input2d, memory_format=torch.contiguous_format) if want_input else None
     weight_sum = bias_sum = None
     accumulate_dtype = torch.promote_types(input2d.dtype, torch.float32)
@@ -106,20 +142,7 @@ def _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, *,
             torch.mm(x, linear_weight.t(), out=logits)
         else:
             torch.addmm(linear_bias, x, linear_weight.t(), out=logits)
-        lse_part = _lse_gradient(logits, grad_lse[start:stop], options.softcap) if grad_lse is not None else None
-        if stats is not None:
-            loss_rows, lse, row_weight = stats
-            kernels.forward(logits, target[start:stop], weight, loss_rows[start:stop], lse[start:stop],
-                            row_weight[start:stop], logits if grad_scale is not None else None,
-                            grad_scale[start:stop] if grad_scale is not None else None, options.ignore_index,
-                            options.label_smoothing, options.softcap, options.lse_square_scale)
-        if not with_grad:
-            continue
-        if lse_part is not None:
-            if grad_scale is not None:
-                logits.add_(lse_part)
-            else:
-                logits.copy_(lse_part)
+        step(logits, slice(start, stop))
         if want_input:
             torch.mm(logits, linear_weight, out=grad_input[start:stop])
         if want_weight:
@@ -132,6 +155,8 @@ def _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, *,
         if want_bias:
             part = logits.sum(0, dtype=accumulate_dtype)
             bias_sum = part if bias_sum is None else bias_sum.add_(part)
+    if grad_input is not None:
+        grad_input = step.input_gradient(grad_input)
     grad_weight = weight_sum.to(linear_weight.dtype) if weight_sum is not None else None
     grad_bias = bias_sum.to(linear_bias.dtype) if bias_sum is not None else None
     return grad_input, grad_weight, grad_bias
@@ -144,21 +169,40 @@ def _stats(rows, dtype, device, separate=False):
     return tuple(torch.empty((3, rows), dtype=dtype, device=device).unbind())
 
 
+def _sliced_chunks(target, weight, options, row_max_sum, **kwargs):
+    """The vocabulary-parallel step (``_vocab_parallel.LinearChunks``) for these options."""
+    from . import _vocab_parallel
+
+    sliced_options = _vocab_parallel._Options(options.ignore_index, options.reduction, options.label_smoothing,
+                                              options.softcap, options.lse_square_scale)
+    return _vocab_parallel.LinearChunks(target, weight, options.layout, sliced_options, options.backend,
+                                        row_max_sum, **kwargs)
+
+
 def _forward(input2d, linear_weight, linear_bias, target, weight, options, want, separate=False):
-    """The loss (reduced), every row's lse and, where ``want`` asks and the loss is reduced, the gradients of
-    input, linear_weight and linear_bias for an incoming gradient of 1."""
-    rows, dtype = input2d.shape[0], _stats_dtype(input2d.dtype)
-    stats = _stats(rows, dtype, input2d.device, separate)
+    """(loss reduced, every row's lse, the gradients of input, linear_weight and linear_bias where ``want`` asks
+    and the loss is reduced (for an incoming gradient of 1), and with a slice of the classes the whole rows'
+    (2, M) max and sum of exponentials, else None)."""
+    rows, dtype, device = input2d.shape[0], _stats_dtype(input2d.dtype), input2d.device
+    classes = options.layout.total if options.layout is not None else linear_weight.shape[0]
     denominator = grad_scale = None
     with_grad = any(want) and options.reduction != "none"
     if options.reduction == "mean":
-        denominator = _denominator(target, weight, options.ignore_index, linear_weight.shape[0], dtype)
+        denominator = _denominator(target, weight, options.ignore_index, classes, dtype)
         if with_grad:
             grad_scale = denominator.reciprocal().expand(rows)
     elif with_grad:
-        grad_scale = _broadcast_ones(rows, dtype, input2d.device)
-    grads = _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, grad_scale=grad_scale,
-                        want=want, stats=stats)
+        grad_scale = _broadcast_ones(rows, dtype, device)
+    stats = _stats(rows, dtype, device, separate)
+    row_max_sum = None
+    if options.layout is None:
+        step = _WholeChunks(target, weight, options, stats, grad_scale)
+    else:
+        row_max_sum = torch.empty((2, rows), dtype=dtype, device=device)
+        step = _sliced_chunks(target, weight, options, row_max_sum, loss_rows=stats[0], lse=stats[1],
+                              grad_scale=grad_scale)
+    grads = _chunk_pass(input2d, linear_weight, linear_bias, options.chunk_rows, step,
+                        want if with_grad else (False, False, False))
     loss_rows, lse, _ = stats
     if options.reduction == "none":
         loss = loss_rows
@@ -166,7 +210,7 @@ def _forward(input2d, linear_weight, linear_bias, target, weight, options, want,
         loss = loss_rows.sum()
     else:
         loss = torch.div(loss_rows.sum(), denominator)
-    return loss, lse, grads
+    return loss, lse, grads, row_max_sum
 
 
 def _per_row_factor(grad, dtype):
@@ -176,15 +220,21 @@ def _per_row_factor(grad, dtype):
     return flat if flat.is_contiguous() or not any(flat.stride()) else flat.contiguous()
 
 
-def _recompute(input2d, linear_weight, linear_bias, target, weight, options, want, grad, grad_lse):
+def _recompute(input2d, linear_weight, linear_bias, target, weight, row_max_sum, options, want, grad, grad_lse):
     """The backward's own chunk pass: the loss's gradient times ``grad`` per row (reduction="none"; None: no
-    gradient of the loss) plus the lse's gradient (``grad_lse``, or None)."""
+    gradient of the loss) plus the lse's gradient (``grad_lse``, or None). With a slice of the classes
+    ``row_max_sum`` is the forward's whole rows' max and sum, so that nothing is gathered again."""
     dtype = _stats_dtype(input2d.dtype)
     grad_scale = _per_row_factor(grad, dtype) if grad is not None else None
-    stats = _stats(input2d.shape[0], dtype, input2d.device) if grad_scale is not None else None
     grad_lse = grad_lse.reshape(-1).to(dtype) if grad_lse is not None else None
-    return _chunk_pass(input2d, linear_weight, linear_bias, target, weight, options, grad_scale=grad_scale,
-                       grad_lse=grad_lse, want=want, stats=stats)
+    if grad_scale is None and grad_lse is None:
+        return None, None, None
+    if options.layout is None:
+        stats = _stats(input2d.shape[0], dtype, input2d.device) if grad_scale is not None else None
+        step = _WholeChunks(target, weight, options, stats, grad_scale, grad_lse)
+    else:
+        step = _sliced_chunks(target, weight, options, row_max_sum, grad_scale=grad_scale, grad_lse=grad_lse)
+    return _chunk_pass(input2d, linear_weight, linear_bias, options.chunk_rows, step, want)
 
 
 def _add(grads, more):
@@ -197,7 +247,7 @@ def _scale_in_place(grads, grad, backend):
     factor = grad.reshape(1)
     scale = get_backend(backend).kernels("cross_entropy").scale
     for g in grads:
-        if g is not None:
+        if g is not None and g.numel():  # a rank without classes has empty gradients of linear_weight/linear_bias
             scale(g.view(-1, g.shape[-1]), factor)
     return grads
 
@@ -205,11 +255,12 @@ def _scale_in_place(grads, grad, backend):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input2d, linear_weight, linear_bias, target, weight, options, want, return_lse):
-        loss, lse, grads = _forward(input2d, linear_weight, linear_bias, target, weight, options, want)
+        loss, lse, grads, row_max_sum = _forward(input2d, linear_weight, linear_bias, target, weight, options,
+                                                 want)
         ctx.options, ctx.want, ctx.grads = options, want, grads
         ctx.set_materialize_grads(False)
         if options.reduction == "none" or return_lse:
-            ctx.save_for_backward(input2d, linear_weight, linear_bias, target, weight)
+            ctx.save_for_backward(input2d, linear_weight, linear_bias, target, weight, row_max_sum)
         return (loss, lse) if return_lse else loss
 
     @staticmethod
@@ -250,8 +301,8 @@ def linear_cross_entropy_forward_op(
         want_weight: bool, want_bias: bool, return_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend, chunk_rows)
-    loss, lse, grads = _forward(input2d, linear_weight, linear_bias, target, weight, options,
-                                (want_input, want_weight, want_bias), separate=True)
+    loss, lse, grads, _ = _forward(input2d, linear_weight, linear_bias, target, weight, options,
+                                   (want_input, want_weight, want_bias), separate=True)
     return loss, lse, *(_placeholder(g, input2d) for g in grads)
 
 
@@ -277,7 +328,7 @@ def linear_cross_entropy_backward_op(
         lse_square_scale: float, backend: str, chunk_rows: int, want_input: bool, want_weight: bool,
         want_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _options(ignore_index, label_smoothing, softcap, lse_square_scale, "none", backend, chunk_rows)
-    grads = _recompute(input2d, linear_weight, linear_bias, target, weight, options,
+    grads = _recompute(input2d, linear_weight, linear_bias, target, weight, None, options,
                        (want_input, want_weight, want_bias), grad, grad_lse)
     return tuple(_placeholder(g, input2d) for g in grads)
 
@@ -319,9 +370,20 @@ linear_cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_s
 # -- the public function
 
 
+def _no_dtensor(**tensors):
+    for name, tensor in tensors.items():
+        if _is_dtensor(tensor):
+            raise TypeError(f"{name} is a DTensor: linear_cross_entropy takes plain tensors (with process_group, "
+                            f"this rank's local rows of the output layer, e.g. linear_weight.to_local())")
+
+
 def _check(input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
-           lse_square_scale, softcap, return_lse, chunk_size):
-    """Validates the arguments; returns (label_smoothing, lse_square_scale, softcap as floats, 0.0 for none)."""
+           lse_square_scale, softcap, return_lse, chunk_size, process_group):
+    """Validates the arguments; returns (label_smoothing, lse_square_scale, softcap as floats, 0.0 for none, this
+    rank's slice of the classes or None without ``process_group``). What needs no other rank is checked first;
+    then with ``process_group`` the ranks' slices are learned (a collective the first time) and the number of
+    classes and ``weight`` are checked against all of them."""
+    _no_dtensor(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
     _validate.floating(input, "input")
     _validate.floating(linear_weight, "linear_weight")
     _validate.tensor(target, "target")
@@ -348,8 +410,6 @@ def _check(input, linear_weight, target, linear_bias, weight, ignore_index, redu
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target must have shape {tuple(input.shape[:-1])} for input of shape "
                          f"{tuple(input.shape)}, got {tuple(target.shape)}")
-    if classes == 0 and target.numel() > 0:
-        raise ValueError("linear_weight has no rows (no classes): there is nothing to predict from")
     _validate.same_device(input, "input", linear_weight=linear_weight, linear_bias=linear_bias, target=target,
                           weight=weight)
     if chunk_size is not None and _validate.integer(chunk_size, "chunk_size") < 1:
@@ -357,16 +417,26 @@ def _check(input, linear_weight, target, linear_bias, weight, ignore_index, redu
     # the options as multisoft.cross_entropy checks them, against logits of the right shape that take no memory
     logits_shape = torch.empty((), dtype=input.dtype, device=input.device).expand(target.numel(), classes)
     _, label_smoothing, lse_square_scale, softcap, _ = validate_arguments(
-        logits_shape, target.reshape(-1), weight, ignore_index, reduction, label_smoothing, lse_square_scale,
-        softcap, return_lse, False)
-    return label_smoothing, lse_square_scale, softcap
+        logits_shape, target.reshape(-1), None, ignore_index, reduction, label_smoothing, lse_square_scale,
+        softcap, return_lse, False, sliced=True)
+    layout, where = None, ""
+    if process_group is not None:
+        from . import _vocab_parallel
+
+        _vocab_parallel._check_group(process_group)
+        layout = _vocab_parallel._slice_of(process_group, classes, input.device)
+        classes, where = layout.total, " on any rank of process_group"
+    if classes == 0 and target.numel() > 0:
+        raise ValueError(f"linear_weight has no rows{where} (no classes): there is nothing to predict from")
+    check_weight(weight, classes, logits_shape)  # all V classes with process_group
+    return label_smoothing, lse_square_scale, softcap, layout
 
 
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                          reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                          lse_square_scale: float = 0.0, softcap: float | None = None, return_lse: bool = False,
-                         backend: str | None = None, chunk_size: int | None = None):
+                         backend: str | None = None, chunk_size: int | None = None, process_group=None):
     """``multisoft.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` without the logits.
 
     ``input`` is (M, H) or (B, T, H) hidden states, ``linear_weight`` (V, H) and
@@ -388,28 +458,66 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     workspace) instead of all M x V logits and their gradient. As with
     ``multisoft.cross_entropy``, the graph can be differentiated once for a
     reduced loss, and not twice over (``create_graph=True`` raises).
+
+    ``process_group`` (a ``torch.distributed`` process group of P ranks):
+    vocabulary-parallel. ``linear_weight`` (V_r, H) is this rank's contiguous
+    rows of the output layer and ``linear_bias`` (V_r,) its slice, the ranks'
+    slices in group-rank order (widths may differ, and may be 0); ``input``
+    is the same hidden states on every rank, ``target`` global class ids and
+    ``weight`` all V class weights, the same on every rank; ``chunk_size``
+    must be the same on every rank (the default is). Every rank gets the loss
+    (and lse) of the whole rows. ``linear_weight`` and ``linear_bias`` get
+    this rank's slice of the unsplit gradient. ``input``'s gradient is the
+    unsplit one on every rank: the sum over the ranks of their shares, summed
+    by one all-reduce here. A model whose tensor-parallel layer also
+    all-reduces the gradient of the hidden states entering the output layer
+    (Megatron's ``copy_to_tensor_model_parallel_region``) must not use it
+    around this call: the sum would be taken twice. The incoming gradient of
+    the loss must be the same on every rank. Communication per chunk of
+    rows: one all-gather of 4 floats a row (as ``multisoft.cross_entropy``
+    with ``process_group``); then one all-reduce of ``input``'s gradient (M x
+    H). A reduced loss does all of it in the forward, and its backward
+    communicates nothing. ``reduction="none"`` computes the loss in the
+    forward, keeps the whole rows' max and sum of exponentials (2 floats a
+    row), and in the backward computes the gradients again from them without
+    gathering anything, but all-reduces ``input``'s gradient there (it
+    depends on the incoming gradient); so does a gradient through a returned
+    lse. DTensor arguments are not taken. Not traced by ``torch.compile`` (it
+    runs eagerly, a graph break).
     """
-    label_smoothing, lse_square_scale, softcap = _check(
+    arguments = (input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
+                 lse_square_scale, softcap, return_lse, backend, chunk_size, process_group)
+    if process_group is not None:
+        return _vocabulary_parallel(*arguments)
+    return _linear_cross_entropy(*arguments)
+
+
+def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                          label_smoothing, lse_square_scale, softcap, return_lse, backend, chunk_size,
+                          process_group):
+    label_smoothing, lse_square_scale, softcap, layout = _check(
         input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
-        lse_square_scale, softcap, return_lse, chunk_size)
+        lse_square_scale, softcap, return_lse, chunk_size, process_group)
     backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend))
     input2d = input.reshape(-1, input.shape[-1])
     flat_target = target.reshape(-1).contiguous()
-    rows, classes = input2d.shape[0], linear_weight.shape[0]
+    rows = input2d.shape[0]
     if rows == 0:
         return cross_entropy(F.linear(input2d, linear_weight, linear_bias), flat_target, weight, ignore_index,
                              reduction, label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap or None,
-                             return_lse=return_lse, backend=backend)
+                             return_lse=return_lse, backend=backend, process_group=process_group)
     input2d = input2d.contiguous()
     if weight is not None:
         weight = weight.to(_stats_dtype(input.dtype)).contiguous()
-    chunk_rows = chunk_size if chunk_size is not None else default_chunk_rows(rows, classes, input.element_size())
+    # every rank of a group runs as many chunks (one all-gather each): the rows a chunk takes on the widest
+    widest = layout.widest if layout is not None else linear_weight.shape[0]
+    chunk_rows = chunk_size if chunk_size is not None else default_chunk_rows(rows, widest, input.element_size())
     options = _Options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend,
-                       min(chunk_rows, rows))
+                       min(chunk_rows, rows), layout)
     grad_enabled = torch.is_grad_enabled()
     want = tuple(bool(grad_enabled and t is not None and t.requires_grad)
                  for t in (input2d, linear_weight, linear_bias))
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and layout is None:
         loss, lse, *_ = linear_cross_entropy_forward_op(
             input2d, linear_weight, linear_bias, flat_target, weight, ignore_index, label_smoothing, softcap,
             lse_square_scale, reduction, backend, options.chunk_rows, *want, return_lse)
@@ -418,9 +526,16 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                                            return_lse)
         loss, lse = result if return_lse else (result, None)
     else:
-        loss, lse, _ = _forward(input2d, linear_weight, linear_bias, flat_target, weight, options, want)
+        loss, lse, _, _ = _forward(input2d, linear_weight, linear_bias, flat_target, weight, options, want)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     if not return_lse:
         return loss
     return loss, lse.reshape(target.shape)
+
+
+@torch.compiler.disable
+def _vocabulary_parallel(*arguments):
+    """``linear_cross_entropy`` with ``process_group``: eager under torch.compile (its collectives and
+    autograd.Function are not traced)."""
+    return _linear_cross_entropy(*arguments)

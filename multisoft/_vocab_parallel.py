@@ -15,6 +15,11 @@ slice. Every rank computes the loss of the whole rows, and its slice of their gr
 
 The ranks' widths place this rank's columns among the V classes; they are learned by one all-gather (the only
 host synchronisation) the first time a (group, local width) pair is seen, and cached.
+
+``multisoft.linear_cross_entropy`` with ``process_group`` runs the same steps on each chunk of its rows
+(``LinearChunks``): pass 1, the gather and the combine, then pass 2 in place of the chunk's logits with a
+grad_scale given for all the rows (a mean's 1 / denominator over every row, not the chunk's); the gradient of
+its replicated input is then summed over the ranks by one all-reduce.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ _CACHED_SLICES_LIMIT = 64
 
 
 class _Slice(NamedTuple):
-    """This rank's columns among the group's classes: [start, start + width) of ``total``."""
+    """This rank's columns among the group's classes: [start, start + width) of ``total``; ``widest`` is the
+    largest rank's width."""
     group: object
     ranks: int
     start: int
     width: int
     total: int
+    widest: int
 
 
 class _Options(NamedTuple):
@@ -71,7 +78,7 @@ def _slice_of(group, width: int, device: torch.device) -> _Slice:
         _all_gather(widths, torch.tensor([width], dtype=torch.int64, device=device), group)
         widths = widths.tolist()
         rank = dist.get_rank(group)
-        cached = _Slice(group, ranks, sum(widths[:rank]), width, sum(widths))
+        cached = _Slice(group, ranks, sum(widths[:rank]), width, sum(widths), max(widths))
         if len(_slices) >= _CACHED_SLICES_LIMIT:
             _slices.clear()
         _slices[key] = cached
@@ -124,6 +131,37 @@ def _from_dtensor(logits, target, weight, process_group):
     return logits.to_local(), _replicated_local(target, "target"), _replicated_local(weight, "weight"), group
 
 
+class _TargetTerms(NamedTuple):
+    """What a row's loss and gradient take from its target, for V = ``layout.total`` classes."""
+    ignored: torch.Tensor   # (M,) bool: target == ignore_index
+    valid: torch.Tensor     # (M,) bool: target in [0, V)
+    keep: object            # (1 - eps) * w[target]: (M,), or the float 1 - eps without weights
+    weight_sum: object      # sum of the class weights: 0-d, or the float V without weights
+
+
+def _target_terms(target, weight, layout: _Slice, options: _Options) -> _TargetTerms:
+    classes = layout.total
+    ignored = target == options.ignore_index
+    valid = (target >= 0) & (target < classes)
+    target_weight = weight[torch.where(valid, target, 0).long()] if weight is not None else None
+    weight_sum = weight.sum() if weight is not None else float(classes)
+    keep = (1.0 - options.label_smoothing) * target_weight if target_weight is not None else \
+        1.0 - options.label_smoothing
+    return _TargetTerms(ignored, valid, keep, weight_sum)
+
+
+def _local_target(target, layout: _Slice, ignore_index: int):
+    """(owned, local): whether this rank holds the row's target class (and the row is not ignored), and that
+    class's column here (-1 where it does not)."""
+    local_target = target - layout.start
+    owned = (local_target >= 0) & (local_target < layout.width) & (target != ignore_index)
+    return owned, torch.where(owned, local_target, -1)
+
+
+def _local_weight(weight, layout: _Slice):
+    return weight[layout.start:layout.start + layout.width] if weight is not None else None
+
+
 def _row_statistics(rows_2d, target, local_weight, layout: _Slice, options: _Options, backend):
     """Pass 1 and the all-gather: (P, 4, M) of every rank's m_r, S_r, a_r and u_t (or 0), and the local
     targets (-1 where this rank does not own the row's target class, or the row is ignored). ``local_weight``
@@ -131,8 +169,7 @@ def _row_statistics(rows_2d, target, local_weight, layout: _Slice, options: _Opt
     rows, dtype, device = rows_2d.shape[0], _stats_dtype(rows_2d.dtype), rows_2d.device
     # this rank's part of the gather, then scratch for the loss, lse and row weights the forward also writes
     local = torch.empty((_STATS_PER_ROW + 3, rows), dtype=dtype, device=device)
-    local_target = target - layout.start
-    owned = (local_target >= 0) & (local_target < layout.width) & (target != options.ignore_index)
+    owned, local_target = _local_target(target, layout, options.ignore_index)
     if layout.width:
         every_row_ignored = torch.full((rows,), options.ignore_index, dtype=torch.int64, device=device)
         scratch_loss, scratch_lse, scratch_row_weight = local[_STATS_PER_ROW:]
@@ -149,63 +186,84 @@ def _row_statistics(rows_2d, target, local_weight, layout: _Slice, options: _Opt
         local[1:_STATS_PER_ROW].zero_()
     gathered = torch.empty((layout.ranks * _STATS_PER_ROW, rows), dtype=dtype, device=device)
     _all_gather(gathered, local[:_STATS_PER_ROW], layout.group)
-    return gathered.view(layout.ranks, _STATS_PER_ROW, rows), torch.where(owned, local_target, -1)
+    return gathered.view(layout.ranks, _STATS_PER_ROW, rows), local_target
+
+
+def _lse(row_max, log_sum):
+    """m + log S, and torch.logsumexp's value (m itself) where m is infinite."""
+    return torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)
+
+
+def _combine(stats, terms: _TargetTerms, layout: _Slice, options: _Options):
+    """Every rank's (P, 4, M) row statistics combined alike on every rank into the whole rows' (per-row loss,
+    lse, (2, M) max and sum of exponentials)."""
+    rank_max, rank_sum, rank_smooth, rank_target_logit = stats.unbind(1)
+    row_max = rank_max.amax(0)
+    # a rank whose slice of a row is all -inf adds nothing (its S_r may be 0 or NaN there)
+    row_sum = torch.where(rank_max == float("-inf"), 0.0, rank_sum * (rank_max - row_max).exp()).sum(0)
+    log_sum = row_sum.log()
+    lse = _lse(row_max, log_sum)
+    target_logit = rank_target_logit.sum(0)
+    eps, classes = options.label_smoothing, layout.total
+    # lse - u_t and W lse - a with m kept apart from log S, as the unsplit forward keeps them
+    per_row = terms.keep * ((row_max - target_logit) + log_sum)
+    if eps:
+        per_row = per_row + eps / classes * ((terms.weight_sum * row_max - rank_smooth.sum(0))
+                                             + terms.weight_sum * log_sum)
+    if options.lse_square_scale:
+        per_row = per_row + options.lse_square_scale * lse.square()
+    loss_rows = torch.where(terms.ignored, 0.0, torch.where(terms.valid, per_row, float("nan")))
+    return loss_rows, lse, torch.stack((row_max, row_sum))
+
+
+def _coefficients(terms: _TargetTerms, lse, grad_scale, layout: _Slice, options: _Options):
+    """Pass 2's (3, M) coefficients a, b, c of the loss's gradient times ``grad_scale`` (0-d or (M,): a mean's
+    1 / denominator over all the rows, 1, or each row's incoming gradient); NaN for a target outside the
+    classes, 0 for an ignored row."""
+    eps, classes = options.label_smoothing, layout.total
+    grad_scale = torch.where(terms.valid, grad_scale, float("nan"))
+    at_target = grad_scale * terms.keep
+    at_all = at_target + grad_scale * (eps / classes * terms.weight_sum)
+    if options.lse_square_scale:
+        at_all = at_all + grad_scale * (2.0 * options.lse_square_scale * lse)
+    per_class = grad_scale * (eps / classes)
+    return torch.where(terms.ignored, 0.0, torch.stack((at_all, at_target, per_class)))
+
+
+def _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout: _Slice,
+              options: _Options, backend):
+    """Pass 2: this rank's slice of the gradient into ``grad_logits`` (``rows_2d`` itself allowed)."""
+    if layout.width:
+        get_backend(backend).kernels("cross_entropy").gradient(
+            rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, options.softcap)
 
 
 def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend, want_grad, grad_logits=None):
     """(loss reduced, lse, the whole rows' (2, M) max and sum, grad_logits or None): pass 1, the gather, the
     combine, and with ``want_grad`` pass 2 into ``grad_logits`` (a new buffer when None)."""
     dtype = _stats_dtype(rows_2d.dtype)
-    local_weight = weight[layout.start:layout.start + layout.width] if weight is not None else None
+    local_weight = _local_weight(weight, layout)
     stats, local_target = _row_statistics(rows_2d, target, local_weight, layout, options, backend)
-    rank_max, rank_sum, rank_smooth, rank_target_logit = stats.unbind(1)
-    row_max = rank_max.amax(0)
-    # a rank whose slice of a row is all -inf adds nothing (its S_r may be 0 or NaN there)
-    row_sum = torch.where(rank_max == float("-inf"), 0.0, rank_sum * (rank_max - row_max).exp()).sum(0)
-    log_sum = row_sum.log()
-    lse = torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)  # torch.logsumexp's value there
-    target_logit = rank_target_logit.sum(0)
-
-    eps, classes = options.label_smoothing, layout.total
-    ignored = target == options.ignore_index
-    valid = (target >= 0) & (target < classes)
-    target_weight = weight[torch.where(valid, target, 0).long()] if weight is not None else None
-    weight_sum = weight.sum() if weight is not None else float(classes)
-    keep = (1.0 - eps) * target_weight if target_weight is not None else 1.0 - eps
-    # lse - u_t and W lse - a with m kept apart from log S, as the unsplit forward keeps them
-    per_row = keep * ((row_max - target_logit) + log_sum)
-    if eps:
-        per_row = per_row + eps / classes * ((weight_sum * row_max - rank_smooth.sum(0)) + weight_sum * log_sum)
-    if options.lse_square_scale:
-        per_row = per_row + options.lse_square_scale * lse.square()
-    loss_rows = torch.where(ignored, 0.0, torch.where(valid, per_row, float("nan")))
+    terms = _target_terms(target, weight, layout, options)
+    loss_rows, lse, row_max_sum = _combine(stats, terms, layout, options)
     denominator = None
     if options.reduction == "none":
         loss = loss_rows
     elif options.reduction == "sum":
         loss = loss_rows.sum()
     else:
-        denominator = _denominator(target, weight, options.ignore_index, classes, dtype)
+        denominator = _denominator(target, weight, options.ignore_index, layout.total, dtype)
         loss = loss_rows.sum() / denominator
-    row_max_sum = torch.stack((row_max, row_sum))
     if not want_grad:
         return loss, lse, row_max_sum, None
-
-    # the unsplit forward's grad_scale (a mean's 1 / denominator, else 1), NaN for a target outside the classes
-    one = torch.ones((), dtype=dtype, device=lse.device)
-    grad_scale = torch.where(valid, denominator.reciprocal() if denominator is not None else one, float("nan"))
-    at_target = grad_scale * keep
-    at_all = at_target + grad_scale * (eps / classes * weight_sum)
-    if options.lse_square_scale:
-        at_all = at_all + grad_scale * (2.0 * options.lse_square_scale * lse)
-    per_class = grad_scale * (eps / classes)
-    coefficients = torch.where(ignored, 0.0, torch.stack((at_all, at_target, per_class)))
+    # the unsplit forward's grad_scale: a mean's 1 / denominator, else 1
+    grad_scale = denominator.reciprocal() if denominator is not None else torch.ones((), dtype=dtype,
+                                                                                     device=lse.device)
+    coefficients = _coefficients(terms, lse, grad_scale, layout, options)
     if grad_logits is None:
         grad_logits = torch.empty_like(rows_2d)
-    if layout.width:
-        get_backend(backend).kernels("cross_entropy").gradient(
-            rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits,
-            options.softcap)
+    _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout, options,
+              backend)
     return loss, lse, row_max_sum, grad_logits
 
 
@@ -220,6 +278,54 @@ def _lse_gradient(logits, grad_lse, row_max_sum, softcap):
     if softcap:
         part.mul_(u.div_(softcap).square_().neg_().add_(1.0))
     return part
+
+
+class LinearChunks:
+    """multisoft.linear_cross_entropy's per-chunk step for this rank's slice of the classes (see that module):
+    ``step(logits, rows)`` takes this rank's (chunk, V_r) logits of the rows ``rows`` (a slice of all M) and
+    leaves in them their gradient, when one is asked for.
+
+    In the forward (``loss_rows``, ``lse`` and ``row_max_sum`` to fill, each over all M rows): pass 1, one
+    all-gather, the combine (the rows' loss, lse and whole-row max and sum written there), then pass 2 with
+    ``grad_scale``. In the backward (``loss_rows`` None, ``row_max_sum`` the forward's): pass 2 from the saved
+    whole rows' max and sum, no collective. ``grad_lse`` adds the returned lse's gradient. ``grad_scale`` and
+    ``grad_lse`` are (M,) (a stride of 0 allowed), or None."""
+
+    def __init__(self, target, weight, layout: _Slice, options: _Options, backend, row_max_sum, *, loss_rows=None,
+                 lse=None, grad_scale=None, grad_lse=None):
+        self.target, self.weight, self.layout, self.options, self.backend = target, weight, layout, options, backend
+        self.local_weight = _local_weight(weight, layout)
+        self.row_max_sum, self.loss_rows, self.lse = row_max_sum, loss_rows, lse
+        self.grad_scale, self.grad_lse = grad_scale, grad_lse
+
+    def __call__(self, logits, rows: slice) -> None:
+        target, layout, options = self.target[rows], self.layout, self.options
+        terms = _target_terms(target, self.weight, layout, options)
+        if self.loss_rows is not None:
+            stats, local_target = _row_statistics(logits, target, self.local_weight, layout, options, self.backend)
+            loss_rows, lse, row_max_sum = _combine(stats, terms, layout, options)
+            self.loss_rows[rows], self.lse[rows], self.row_max_sum[:, rows] = loss_rows, lse, row_max_sum
+        else:
+            _, local_target = _local_target(target, layout, options.ignore_index)
+            row_max_sum = self.row_max_sum[:, rows].contiguous()
+            lse = _lse(row_max_sum[0], row_max_sum[1].log())
+        lse_part = None
+        if self.grad_lse is not None:  # from the logits, before pass 2 overwrites them
+            lse_part = _lse_gradient(logits, self.grad_lse[rows], row_max_sum, options.softcap)
+        if self.grad_scale is not None:
+            coefficients = _coefficients(terms, lse, self.grad_scale[rows], layout, options)
+            _gradient(logits, local_target, self.local_weight, row_max_sum, coefficients, logits, layout, options,
+                      self.backend)
+            if lse_part is not None:
+                logits.add_(lse_part)
+        elif lse_part is not None:
+            logits.copy_(lse_part)
+
+    def input_gradient(self, grad_input):
+        """``input`` is the same on every rank, so its gradient is the sum over the ranks of each one's
+        ``grad_logits_r @ linear_weight_r``: one all-reduce, in place."""
+        dist.all_reduce(grad_input, group=self.layout.group)
+        return grad_input
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -96,17 +96,21 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     ``lm_head.weight``). torch's own ``torch.nn.LinearCrossEntropyLoss`` owns
     its Linear instead. The options are those of
     ``multisoft.linear_cross_entropy``; ``weight`` is a buffer, so it follows
-    ``.to(device)``.
+    ``.to(device)``. With ``process_group`` (vocabulary-parallel) the
+    ``linear_weight`` and ``linear_bias`` passed are this rank's rows of the
+    output layer, ``weight`` all V classes', and ``input``'s gradient is
+    summed over the group here (see ``multisoft.linear_cross_entropy``).
     """
 
     def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0, softcap: float | None = None,
-                 return_lse: bool = False, backend: str | None = None, chunk_size: int | None = None):
+                 return_lse: bool = False, backend: str | None = None, chunk_size: int | None = None,
+                 process_group=None):
         super().__init__()
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.lse_square_scale, self.softcap, self.return_lse = lse_square_scale, softcap, return_lse
-        self.backend, self.chunk_size = backend, chunk_size
+        self.backend, self.chunk_size, self.process_group = backend, chunk_size, process_group
 
     def forward(self, input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
                 linear_bias: torch.Tensor | None = None):
@@ -114,7 +118,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                                     reduction=self.reduction, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
                                     softcap=self.softcap, return_lse=self.return_lse, backend=self.backend,
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, process_group=self.process_group)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
