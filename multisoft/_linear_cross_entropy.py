@@ -488,7 +488,9 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     arguments = (input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
                  lse_square_scale, softcap, return_lse, backend, chunk_size, process_group)
     if process_group is not None:
-        return _vocabulary_parallel(*arguments)
+        from . import _vocab_parallel
+
+        return _vocab_parallel.linear_cross_entropy(_linear_cross_entropy, *arguments)
     return _linear_cross_entropy(*arguments)
 
 
@@ -532,10 +534,3 @@ def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, red
     if not return_lse:
         return loss
     return loss, lse.reshape(target.shape)
-
-
-@torch.compiler.disable
-def _vocabulary_parallel(*arguments):
-    """``linear_cross_entropy`` with ``process_group``: eager under torch.compile (its collectives and
-    autograd.Function are not traced)."""
-    return _linear_cross_entropy(*arguments)

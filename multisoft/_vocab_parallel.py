@@ -398,3 +398,12 @@ def cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothi
     if not return_lse:
         return loss
     return loss, lse.reshape(target.shape) if logits.ndim != 2 else lse
+
+
+@torch.compiler.disable
+def linear_cross_entropy(implementation, *arguments):
+    """``multisoft.linear_cross_entropy`` with ``process_group`` (``implementation`` called with ``arguments``),
+    eager under torch.compile: its collectives and autograd.Function are not traced. Here rather than beside it,
+    so that ``torch.compiler.disable`` (which imports torch._dynamo, and with it Triton) runs only once a process
+    group is used, not when multisoft is imported."""
+    return implementation(*arguments)
