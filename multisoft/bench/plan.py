@@ -7,11 +7,14 @@ import math
 
 OPS = ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax")  # the default set
 # Timed only when asked for (--ops): fused linear cross-entropy's cases take minutes (fp32 matmuls of M·H·V, a
-# float64 reference each), more than the rest of a full run. Its cases and tables are in the linear module.
-EXTRA_OPS = ("linear_cross_entropy",)
-OP_ALIASES = {"blocksparse": "blocksparse_softmax", "ce": "cross_entropy", "lce": "linear_cross_entropy"}
+# float64 reference each), more than the rest of a full run; vocabulary-parallel cross-entropy needs 2 GPUs. Their
+# cases and tables are in the linear and vocab_parallel modules.
+EXTRA_OPS = ("linear_cross_entropy", "vocab_parallel")
+OP_ALIASES = {"blocksparse": "blocksparse_softmax", "ce": "cross_entropy", "lce": "linear_cross_entropy",
+              "vp": "vocab_parallel"}
 KERNEL_MODULE = {"softmax": "softmax", "log_softmax": "softmax", "cross_entropy": "cross_entropy",
-                 "blocksparse_softmax": "blocksparse", "linear_cross_entropy": "cross_entropy"}
+                 "blocksparse_softmax": "blocksparse", "linear_cross_entropy": "cross_entropy",
+                 "vocab_parallel": "cross_entropy"}
 DIRECTIONS = ("forward", "backward", "forward+backward")
 # The directions timed of each op. Cross-entropy has no backward of its own: its forward computes the gradient when
 # the logits require grad and its backward only scales that (nothing at all when the incoming gradient is 1), and a

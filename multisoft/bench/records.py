@@ -13,6 +13,7 @@ from typing import get_type_hints
 ENVIRONMENT_FILE = "environment.json"
 HOST_TIME_FILE = "host_time.csv"
 LINEAR_FILE = "linear_cross_entropy.csv"
+VOCAB_PARALLEL_FILE = "vocab_parallel.csv"
 COPY_AT_END = "copy bandwidth at the end"  # an environment entry: the long copy measured again after the run
 BYTES_COUNTED = "bytes counted"  # an environment entry: how the run counted each op's bytes (plan.bytes_counted)
 
@@ -112,6 +113,42 @@ class LinearRecord:
 
 
 @dataclasses.dataclass
+class VocabParallelRecord:
+    """Vocabulary-parallel cross-entropy of one backend, dtype and shape: a mean loss's forward+backward split over
+    ``ranks`` GPUs (each rank its V/ranks columns, ``process_group=``) against the unsplit call on one GPU, and the
+    all-gather of the split call alone; the errors are the split call's against a float64 reference (the loss's
+    relative error; the gradient's largest difference over its largest value, the worst rank's)."""
+
+    impl: str
+    dtype: str
+    shape: str  # "MxV"
+    ranks: int
+    unsplit_ms: float | None = None  # rank 0 alone, all V columns
+    split_ms: float | None = None  # the slowest rank's
+    rank_ms: str = ""  # each rank's split ms, in rank order, space-separated
+    collective_ms: float | None = None  # the all-gather of (4, M) float32 alone, the slowest rank's
+    loss: float | None = None  # the split call's loss
+    unsplit_loss: float | None = None
+    loss_error: float | None = None
+    grad_error: float | None = None
+    note: str = ""
+
+    @property
+    def of_unsplit(self) -> float | None:
+        """The split call's time as a fraction of the unsplit call's."""
+        if self.split_ms is None or not self.unsplit_ms:
+            return None
+        return self.split_ms / self.unsplit_ms
+
+    @property
+    def collective_share(self) -> float | None:
+        """The collective's time as a fraction of the split call's."""
+        if self.collective_ms is None or not self.split_ms:
+            return None
+        return self.collective_ms / self.split_ms
+
+
+@dataclasses.dataclass
 class Results:
     environment: dict
     copy_gb_per_s: float | None
@@ -120,6 +157,7 @@ class Results:
     first_calls: list[FirstCall] = dataclasses.field(default_factory=list)
     host_times: list[HostTime] = dataclasses.field(default_factory=list)
     linear: list[LinearRecord] = dataclasses.field(default_factory=list)
+    vocab_parallel: list[VocabParallelRecord] = dataclasses.field(default_factory=list)
 
 
 def describe_error(error: BaseException) -> str:
@@ -198,7 +236,7 @@ def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
 
 def write_records(results: Results, out: Path) -> list[Path]:
     """timings.csv, environment.json and, where there are such records, memory.csv, first_calls.csv,
-    host_time.csv and linear_cross_entropy.csv in ``out``; the paths written."""
+    host_time.csv, linear_cross_entropy.csv and vocab_parallel.csv in ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [write_csv(out / "timings.csv", results.timings)]
     environment_path = out / ENVIRONMENT_FILE
@@ -215,6 +253,10 @@ def write_records(results: Results, out: Path) -> list[Path]:
         paths.append(write_csv(out / LINEAR_FILE, results.linear,
                                {"beyond_gradients_gib": lambda row: row.beyond_gradients_gib,
                                 "of_logits": lambda row: row.of_logits}))
+    if results.vocab_parallel:
+        paths.append(write_csv(out / VOCAB_PARALLEL_FILE, results.vocab_parallel,
+                               {"of_unsplit": lambda row: row.of_unsplit,
+                                "collective_share": lambda row: row.collective_share}))
     return paths
 
 
@@ -243,7 +285,8 @@ def read_results(out: Path) -> Results:
     saved = json.loads(environment_path.read_text())
     results = Results(saved["environment"], saved["copy_gb_per_s"], _read_csv(out / "timings.csv", Timing))
     for name, file, record in (("memory", "memory.csv", MemoryRecord), ("first_calls", "first_calls.csv", FirstCall),
-                               ("host_times", HOST_TIME_FILE, HostTime), ("linear", LINEAR_FILE, LinearRecord)):
+                               ("host_times", HOST_TIME_FILE, HostTime), ("linear", LINEAR_FILE, LinearRecord),
+                               ("vocab_parallel", VOCAB_PARALLEL_FILE, VocabParallelRecord)):
         if (out / file).exists():
             setattr(results, name, _read_csv(out / file, record))
     return results
