@@ -26,7 +26,7 @@ from . import _validate
 from ._registry import get_backend, resolve_name
 
 REDUCTIONS = ("none", "mean", "sum")
-_CACHED_ONES_LIMIT = 64
+_CACHED_VALUES_LIMIT = 64
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,24 +34,24 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-_ones: dict[tuple, torch.Tensor] = {}
+_broadcast_values: dict[tuple, torch.Tensor] = {}
 
 
-def _broadcast_ones(rows: int, dtype: torch.dtype, device: torch.device, value: float = 1.0) -> torch.Tensor:
+def _broadcast_value(rows: int, dtype: torch.dtype, device: torch.device, value: float = 1.0) -> torch.Tensor:
     """A (rows,) view at stride 0 of one cached ``value`` (no allocation per call): sum's and none's grad_scale
     (1), or a mean's over class-probability targets (1 / rows). Not cached when first asked for while a CUDA
     graph is being captured (the fill would not have run)."""
     key = (rows, dtype, device, value)
-    ones = _ones.get(key)
-    if ones is None:
+    broadcast = _broadcast_values.get(key)
+    if broadcast is None:
         with torch.inference_mode(False):
-            ones = torch.full((1,), value, dtype=dtype, device=device).expand(rows)
+            broadcast = torch.full((1,), value, dtype=dtype, device=device).expand(rows)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return ones
-        if len(_ones) >= _CACHED_ONES_LIMIT:
-            _ones.clear()
-        _ones[key] = ones
-    return ones
+            return broadcast
+        if len(_broadcast_values) >= _CACHED_VALUES_LIMIT:
+            _broadcast_values.clear()
+        _broadcast_values[key] = broadcast
+    return broadcast
 
 
 def _denominator(target, weight, ignore_index, classes, dtype):
@@ -85,7 +85,7 @@ def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softc
         if want_grad:
             grad_scale = denominator.reciprocal().expand(rows)
     elif want_grad:
-        grad_scale = _broadcast_ones(rows, dtype, logits.device)
+        grad_scale = _broadcast_value(rows, dtype, logits.device)
     if want_grad and grad_logits is None:
         grad_logits = torch.empty_like(logits)
     get_backend(backend).kernels("cross_entropy").forward(
@@ -111,7 +111,7 @@ def _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse
         loss_rows, lse = torch.empty((2, rows), dtype=dtype, device=logits.device).unbind()
     grad_logits = grad_scale = None
     if want_grad:
-        grad_scale = _broadcast_ones(rows, dtype, logits.device, 1.0 / rows if reduction == "mean" else 1.0)
+        grad_scale = _broadcast_value(rows, dtype, logits.device, 1.0 / rows if reduction == "mean" else 1.0)
         grad_logits = torch.empty_like(logits)
     get_backend(backend).kernels("cross_entropy").probabilities_forward(
         logits, target, weight, loss_rows, lse, grad_logits, grad_scale, label_smoothing, softcap, lse_square_scale)

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _validate
-from ._cross_entropy import (_broadcast_ones, _denominator, _is_dtensor, _lse_gradient, _stats_dtype, check_weight,
+from ._cross_entropy import (_broadcast_value, _denominator, _is_dtensor, _lse_gradient, _stats_dtype, check_weight,
                              cross_entropy, validate_arguments)
 from ._registry import get_backend, resolve_name
 
@@ -192,7 +192,7 @@ def _forward(input2d, linear_weight, linear_bias, target, weight, options, want,
         if with_grad:
             grad_scale = denominator.reciprocal().expand(rows)
     elif with_grad:
-        grad_scale = _broadcast_ones(rows, dtype, device)
+        grad_scale = _broadcast_value(rows, dtype, device)
     stats = _stats(rows, dtype, device, separate)
     row_max_sum = None
     if options.layout is None:

@@ -17,8 +17,6 @@ records every failing case and raises them together at the end.
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,7 +27,7 @@ import multisoft
 from harness import assert_close, backends_under_test, simulated
 from multisoft._registry import get_backend
 from multisoft.check import reference_cross_entropy
-from test_vocab_parallel import _counting_collectives, _incoming, _no_host_synchronisation, _raises, _Report
+from test_vocab_parallel import _counting_collectives, _incoming, _join, _no_host_synchronisation, _raises, _Report
 
 HIDDEN = 8
 WIDTHS = {2: (5, 8), 3: (4, 7, 6)}     # uneven slices of 13 and 17 classes
@@ -268,13 +266,7 @@ EXTRAS = (_collectives, _module, _argument_errors)
 
 
 def _worker(rank, world, rendezvous, plan):
-    if plan["device"] == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(plan["distributed_backend"], init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=plan["timeout_s"]))
+    device = _join(rank, world, rendezvous, plan)
     try:
         report = _Report(rank)
         ranks = _Ranks(dist.group.WORLD, WIDTHS[world])

@@ -359,7 +359,9 @@ class _Report:
                                  + "\n".join(self.failures))
 
 
-def _worker(rank, world, rendezvous, plan):
+def _join(rank, world, rendezvous, plan):
+    """Joins this spawned process to the group (``plan``: its torch.distributed backend, and "cuda" for a GPU of
+    its own per rank, else the CPU); returns its device."""
     if plan["device"] == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -367,6 +369,11 @@ def _worker(rank, world, rendezvous, plan):
         device = torch.device("cpu")
     dist.init_process_group(plan["distributed_backend"], init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=plan["timeout_s"]))
+    return device
+
+
+def _worker(rank, world, rendezvous, plan):
+    device = _join(rank, world, rendezvous, plan)
     try:
         report = _Report(rank)
         ranks = _Ranks(dist.group.WORLD, WIDTHS[world])
