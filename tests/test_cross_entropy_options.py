@@ -300,28 +300,26 @@ def test_no_grad_path_allocates_no_gradient(backend, cross_entropy_calls):
 
 
 @each_reduction
-@pytest.mark.parametrize("targets", ["indices", "probabilities"])
-def test_torch_compile_fullgraph_every_option(reduction, targets):
-    """torch.compile(fullgraph=True) of every option (aot_eager here: the custom ops run as in eager), class
-    indices or class probabilities, gives the eager loss, lse and gradients."""
+def test_torch_compile_fullgraph_every_option(reduction):
+    """torch.compile(fullgraph=True) of every option (aot_eager here: the custom ops run as in eager) gives the
+    eager loss, lse and gradients."""
     weight = torch.rand(20) + 0.5
-    if targets == "indices":
-        target, ignored = torch.tensor([1, 3, 5, 3, 19, 0, 7]), dict(ignore_index=3)
-    else:
-        target, ignored = torch.softmax(torch.randn(7, 20), 1), {}
-    options = dict(weight=weight, reduction=reduction, label_smoothing=0.1, softcap=5.0, lse_square_scale=0.01,
-                   return_lse=True, **ignored)
 
     def model(logits, target):
-        loss, lse = multisoft.cross_entropy(logits * 1, target, backend="torch", **options)
+        loss, lse = multisoft.cross_entropy(logits * 1, target, weight, ignore_index=3, reduction=reduction,
+                                            label_smoothing=0.1, softcap=5.0, lse_square_scale=0.01,
+                                            return_lse=True, backend="torch")
         return loss.sum() * 2.0 + (lse * lse).mean()
 
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     logits = (torch.randn(7, 20) * 3).requires_grad_()
+    target = torch.tensor([1, 3, 5, 3, 19, 0, 7])
     got = compiled(logits, target)
     (grad,) = torch.autograd.grad(got, logits)
     logits64 = logits.detach().double().requires_grad_()
-    loss64, lse64 = reference_cross_entropy(logits64, target, **options)
+    loss64, lse64 = reference_cross_entropy(logits64, target, weight=weight, ignore_index=3, reduction=reduction,
+                                            label_smoothing=0.1, softcap=5.0, lse_square_scale=0.01,
+                                            return_lse=True)
     want = loss64.sum() * 2.0 + (lse64 * lse64).mean()
     (want_grad,) = torch.autograd.grad(want, logits64)
     assert_close(got, want, torch.float32, "compiled loss")
@@ -403,3 +401,28 @@ def test_probability_target_that_requires_grad_gets_torchs_gradient(backend, red
     assert_close(loss, expected, torch.float32, "loss")
     assert_close(grads[0], expected_grads[0], torch.float32, "gradient of the logits")
     assert_close(grads[1], expected_grads[1], torch.float32, "gradient of the target")
+
+
+@each_reduction
+def test_torch_compile_fullgraph_probability_targets(reduction):
+    """torch.compile(fullgraph=True) of class-probability targets through the custom op gives the eager values."""
+    weight = torch.rand(20) + 0.5
+
+    def model(logits, target):
+        loss, lse = multisoft.cross_entropy(logits * 1, target, weight, reduction=reduction, label_smoothing=0.1,
+                                            softcap=5.0, lse_square_scale=0.01, return_lse=True, backend="torch")
+        return loss.sum() * 2.0 + (lse * lse).mean()
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    logits = (torch.randn(7, 20) * 3).requires_grad_()
+    target = torch.softmax(torch.randn(7, 20), 1)
+    got = compiled(logits, target)
+    (grad,) = torch.autograd.grad(got, logits)
+    logits64 = logits.detach().double().requires_grad_()
+    loss64, lse64 = reference_cross_entropy(logits64, target, weight=weight, reduction=reduction,
+                                            label_smoothing=0.1, softcap=5.0, lse_square_scale=0.01,
+                                            return_lse=True)
+    want = loss64.sum() * 2.0 + (lse64 * lse64).mean()
+    (want_grad,) = torch.autograd.grad(want, logits64)
+    assert_close(got, want, torch.float32, "compiled loss")
+    assert_close(grad, want_grad, torch.float32, "compiled gradient")
