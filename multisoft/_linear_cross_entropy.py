@@ -440,7 +440,9 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     """``multisoft.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` without the logits.
 
     ``input`` is (M, H) or (B, T, H) hidden states, ``linear_weight`` (V, H) and
-    ``linear_bias`` (V,) or None, of the input's dtype and device; ``target``
+    ``linear_bias`` (V,) or None, of the input's dtype and device (under
+    ``torch.autocast`` the three are cast to its dtype first, as ``F.linear``
+    casts them, so a float32 output layer takes 16-bit hidden states); ``target``
     (M,) or (B, T) class indices (int64 or int32). ``weight``, ``reduction``,
     ``ignore_index``, ``label_smoothing``, ``lse_square_scale`` (z-loss),
     ``softcap`` and ``return_lse`` are those of ``multisoft.cross_entropy``
@@ -485,6 +487,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     lse. DTensor arguments are not taken. Not traced by ``torch.compile`` (it
     runs eagerly, a graph break).
     """
+    input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
     arguments = (input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
                  lse_square_scale, softcap, return_lse, backend, chunk_size, process_group)
     if process_group is not None:
@@ -492,6 +495,24 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
 
         return _vocab_parallel.linear_cross_entropy(_linear_cross_entropy, *arguments)
     return _linear_cross_entropy(*arguments)
+
+
+def _autocast(input, linear_weight, linear_bias):
+    """What ``F.linear`` does under ``torch.autocast``: its floating arguments (but float64 ones) on the autocast's
+    device type are cast to the autocast's dtype, so that 16-bit hidden states meet a float32 output layer in
+    16 bits, and the float32 weight gets its gradient in float32 through the cast. Unchanged outside autocast
+    (where the dtypes must match, as ``F.linear``'s do)."""
+    if not isinstance(input, torch.Tensor) or not torch.is_autocast_enabled(input.device.type):
+        return input, linear_weight, linear_bias
+    device_type, dtype = input.device.type, torch.get_autocast_dtype(input.device.type)
+
+    def cast(tensor):
+        if (isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != torch.float64
+                and tensor.device.type == device_type):
+            return tensor.to(dtype)
+        return tensor
+
+    return cast(input), cast(linear_weight), cast(linear_bias)
 
 
 def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,

@@ -90,11 +90,21 @@ def _differentiable_backward(y: torch.Tensor, dy: torch.Tensor, log: bool) -> to
     return dx.to(y.dtype)
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """float32 where torch's softmax and log_softmax would compute in it because of ``torch.autocast``: CUDA's
+    autocast runs them in float32 for a floating input but float64 (16-bit in, float32 out) when no ``dtype=`` is
+    given; the CPU's leaves them alone."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled("cuda"):
+        return torch.float32
+    return None
+
+
 def _apply(x, dim, dtype, backend, log):
     _validate.tensor(x, "x")
     dtype = _validate.float_dtype(dtype)
     if dtype is None:
         _validate.floating(x, "x")  # like torch: an integer x needs a floating dtype= to compute in
+        dtype = _autocast_dtype(x)
     dim = _validate.dim(dim, x.ndim)
     backend = _validate.backend_name(backend)
     if dtype is not None:
@@ -124,9 +134,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
     """Softmax of ``x`` along ``dim``, like ``torch.softmax``; differentiable.
 
     ``dtype`` casts ``x`` first (so an integer ``x`` works with a floating
-    ``dtype``, as in torch); ``backend`` picks the implementation (see
-    ``multisoft.use_backend``). Arithmetic is float32 for 16-bit inputs.
-    Double backward (``create_graph=True``) works.
+    ``dtype``, as in torch); without it, under CUDA's ``torch.autocast`` a
+    16-bit ``x`` gives a float32 result, as torch's does. ``backend`` picks the
+    implementation (see ``multisoft.use_backend``). Arithmetic is float32 for
+    16-bit inputs. Double backward (``create_graph=True``) works.
     """
     return _apply(x, dim, dtype, backend, log=False)
 

@@ -258,6 +258,31 @@ def test_torch_compile_fullgraph(reduction):
         assert_close(compiled(x, linear_weight, linear_bias, target), want, torch.float32, "compiled, no grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@on_each_backend
+def test_under_autocast_a_float32_output_layer_takes_16bit_hidden_states(backend, dtype):
+    """Under torch.autocast, as with F.linear: input, linear_weight and linear_bias are cast to the autocast dtype
+    (the usual mixed-precision setup: 16-bit hidden states, a float32 output layer); the loss is float32 and the
+    float32 weight and bias get float32 gradients, through the cast, equal to those of the 16-bit values."""
+    spec = CASES["weighted-ignored-3d"]
+    x, linear_weight, linear_bias, target, weight = _inputs(dtype=dtype, **spec)
+    master_weight = linear_weight.detach().float().requires_grad_()
+    master_bias = linear_bias.detach().float().requires_grad_()
+    options = _options(spec, weight, "sum")
+    with torch.autocast(DEVICE.type, dtype=dtype):
+        loss = multisoft.linear_cross_entropy(x, master_weight, target, linear_bias=master_bias, backend=backend,
+                                              chunk_size=spec["chunk_size"], **options)
+    assert loss.dtype == torch.float32
+    leaves, logits, expected, _ = _reference(x, linear_weight, linear_bias, target, options)
+    assert_close(loss, expected, dtype, "loss")
+    (loss * 3.5).backward()
+    assert master_weight.grad.dtype == master_bias.grad.dtype == torch.float32
+    got = [x.grad, master_weight.grad.to(dtype), master_bias.grad.to(dtype)]
+    _assert_gradients(got, leaves, logits, [expected * 3.5], [torch.ones_like(expected)], dtype)
+    with pytest.raises(TypeError, match="linear_weight must have the input's dtype"):
+        multisoft.linear_cross_entropy(x, master_weight, target, backend=backend)  # outside autocast, as F.linear
+
+
 def test_nn_module():
     weight = torch.rand(CLASSES, device=DEVICE) + 0.5
     module = multisoft.nn.LinearCrossEntropyLoss(weight, ignore_index=2, label_smoothing=0.1, softcap=4.0,

@@ -163,6 +163,31 @@ def test_class_probability_targets_refuse_what_torch_refuses():
         multisoft.cross_entropy(logits.requires_grad_(), torch.rand(4, 6), inplace_backward=True)
 
 
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@on_each_backend
+def test_softmax_under_autocast_gives_torchs_dtype(backend, log):
+    """Under torch.autocast on DEVICE a 16-bit x gives the dtype torch's op gives there (float32 on CUDA, whose
+    autocast runs softmax in float32; unchanged on the CPU) and the values of that computation, and where that is
+    float32 the gradient of it too (a 16-bit softmax's is the agreement tests'); dtype= still decides when given."""
+    x = (torch.randn(4, 40, device=DEVICE) * 4).to(torch.bfloat16).requires_grad_()
+    op, torch_op = (multisoft.log_softmax, torch.log_softmax) if log else (multisoft.softmax, torch.softmax)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        y = op(x, -1, backend=backend)
+        want_dtype = torch_op(x.detach(), -1).dtype
+        assert op(x, -1, dtype=torch.bfloat16, backend=backend).dtype == torch.bfloat16
+    assert y.dtype == want_dtype
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch_op(x64, -1)
+    assert_close(y, y64, want_dtype, "forward")
+    if want_dtype != torch.float32:
+        return
+    v = torch.randn(4, 40, device=DEVICE)
+    (y * v).sum().backward()
+    (y64 * v.double()).sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+    assert_close(x.grad, x64.grad, torch.bfloat16, "gradient")
+
+
 # -- double backward
 
 
