@@ -12,6 +12,13 @@ graph can be differentiated once: a second backward, or a double backward,
 raises. Class-probability targets take the same path through the backends'
 ``probabilities_forward``; only a target that itself requires grad is computed
 with differentiable torch ops instead (its gradient is then torch's).
+
+Under torch.compile, class-index targets go through ``cross_entropy_rows_op``
+instead: the kernel only reads the logits, for each row's loss, lse, max and
+sum of exponentials, and the backward graph computes the gradient from the
+logits and those in torch ops, which the compiler fuses into one elementwise
+pass (three passes over the logits in all, where a gradient written in the
+forward would cost the compiled backward a copy of it: four).
 """
 
 from __future__ import annotations
@@ -207,8 +214,8 @@ class _CrossEntropy(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None, None, None, None, None
 
 
-# -- torch.library ops, used under torch.compile: a forward that returns the loss, the lse and the gradient buffer,
-# and a backward that scales that buffer
+# -- torch.library ops for class-probability targets under torch.compile: a forward that returns the loss, the lse
+# and the gradient buffer, and a backward that scales a copy of that buffer
 
 
 @torch.library.custom_op("multisoft::cross_entropy_forward", mutates_args=())
@@ -258,6 +265,93 @@ def _op_backward(ctx, grad, grad_lse, _grad_buffer):
 
 
 cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# -- torch.library op for class-index targets under torch.compile: the kernel reads the logits once for each row's
+# loss, lse and (max, sum of exponentials); the gradient is then computed in the backward graph by torch ops that
+# torch.compile fuses into one elementwise pass (read the logits, write the gradient). Two reads and one write in
+# all, the most a compiled graph can do here: a gradient written in the forward would cost the backward a copy
+# (an op may not scale a saved buffer in place there), four passes.
+
+
+@torch.library.custom_op("multisoft::cross_entropy_rows", mutates_args=())
+def cross_entropy_rows_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                          ignore_index: int, label_smoothing: float, softcap: float, lse_square_scale: float,
+                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's loss, lse and (3, M) statistics (max m of the capped logits u, sum S of exp(u - m), and a third
+    row the backward does not use): the backend's forward, without a gradient."""
+    rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
+    loss_rows, lse, row_weight = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(3))
+    row_stats = torch.empty((3, rows), dtype=dtype, device=logits.device)
+    get_backend(backend).kernels("cross_entropy").forward(
+        logits, target, weight, loss_rows, lse, row_weight, None, None, ignore_index, label_smoothing, softcap,
+        lse_square_scale, row_stats=row_stats)
+    return loss_rows, lse, row_stats
+
+
+@cross_entropy_rows_op.register_fake
+def _(logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend):
+    rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
+    return (logits.new_empty(rows, dtype=dtype), logits.new_empty(rows, dtype=dtype),
+            logits.new_empty((3, rows), dtype=dtype))
+
+
+def _rows_setup_context(ctx, inputs, output):
+    logits, target, weight, ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.lse_square_scale, _ = inputs
+    _, lse, row_stats = output
+    ctx.save_for_backward(logits, target, weight, lse, row_stats)
+
+
+def _rows_backward(ctx, grad_loss_rows, grad_lse, _grad_row_stats):
+    logits, target, weight, lse, row_stats = ctx.saved_tensors
+    grad = _rows_gradient(logits, target, weight, lse, row_stats, grad_loss_rows, grad_lse, ctx.ignore_index,
+                          ctx.label_smoothing, ctx.softcap, ctx.lse_square_scale)
+    return grad, None, None, None, None, None, None, None
+
+
+def _rows_gradient(logits, target, weight, lse, row_stats, grad_loss_rows, grad_lse, ignore_index, label_smoothing,
+                   softcap, lse_square_scale):
+    """d (sum_i g_i * loss_i + sum_i h_i * lse_i) / d logits in torch ops, computed in the statistics' dtype:
+    du/dx * (a * p - b * [j == t] - c * w_j) with p = exp(u - m) / S and, per row, a = g * ((1 - eps) * w_t +
+    eps / C * W + 2 * s * lse) + h, b = g * (1 - eps) * w_t, c = g * eps / C (the loss's terms 0 for an ignored
+    row, NaN for a target outside [0, C))."""
+    classes, compute = logits.shape[1], lse.dtype
+    ignored = target == ignore_index
+    valid = (target >= 0) & (target < classes)
+    target_weight = weight[target.clamp(0, classes - 1)] if weight is not None else 1.0
+    weight_sum = weight.sum() if weight is not None else float(classes)
+    keep, per_class = 1.0 - label_smoothing, label_smoothing / classes
+    g = torch.where(ignored, 0.0, torch.where(valid, grad_loss_rows, float("nan")))
+    at_target = g * (keep * target_weight)
+    at_all = at_target + g * (per_class * weight_sum)
+    if lse_square_scale:
+        at_all = at_all + g * (2.0 * lse_square_scale * lse)
+    if grad_lse is not None:
+        at_all = at_all + grad_lse
+    u = logits.to(compute)
+    if softcap:
+        u = torch.tanh(u / softcap) * softcap
+    row_max, row_sum = row_stats[0].unsqueeze(1), row_stats[1].unsqueeze(1)
+    columns = torch.arange(classes, device=logits.device)
+    grad = (u - row_max).exp() / row_sum * at_all.unsqueeze(1)
+    grad = grad - torch.where(columns == target.unsqueeze(1), at_target.unsqueeze(1), 0.0)
+    if label_smoothing:
+        grad = grad - (g * per_class).unsqueeze(1) * (weight if weight is not None else 1.0)
+    if softcap:
+        grad = grad * (1.0 - (u / softcap).square())
+    return grad.to(logits.dtype)
+
+
+cross_entropy_rows_op.register_autograd(_rows_backward, setup_context=_rows_setup_context)
+
+
+def _reduce(loss_rows, reduction, target, weight, ignore_index, classes):
+    """The reduction of the per-row losses, in torch ops: a mean divides by the sum of the targets' weights."""
+    if reduction == "none":
+        return loss_rows
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows.sum() / _denominator(target, weight, ignore_index, classes, loss_rows.dtype)
 
 
 def check_classes(classes, logits, target):
@@ -404,6 +498,10 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
         weight = weight.to(stats_dtype).contiguous()
     if rows_2d.numel() == 0:
         loss, lse = _empty_rows(rows_2d, reduction, stats_dtype)
+    elif torch.compiler.is_compiling() and not probabilities:
+        loss_rows, lse, _ = cross_entropy_rows_op(rows_2d, flat_target, weight, ignore_index, label_smoothing,
+                                                  softcap, lse_square_scale, backend)
+        loss = _reduce(loss_rows, reduction, flat_target, weight, ignore_index, classes)
     elif torch.compiler.is_compiling():
         want_grad = rows_2d.requires_grad and torch.is_grad_enabled()
         loss, lse, _ = cross_entropy_forward_op(rows_2d, flat_target, weight, ignore_index, label_smoothing,

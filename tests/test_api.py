@@ -414,6 +414,8 @@ def test_opcheck_registered_ops():
                               (x, target, weight, -100, 0.1, 3.0, 0.01, reduction, True, True, "torch"))
     torch.library.opcheck(cross_entropy.cross_entropy_forward_op,
                           (x.detach(), target, None, -100, 0.0, 0.0, 0.0, "sum", False, False, "torch"))
+    torch.library.opcheck(cross_entropy.cross_entropy_rows_op, (x, target, weight, -100, 0.1, 3.0, 0.01, "torch"))
+    torch.library.opcheck(cross_entropy.cross_entropy_rows_op, (x, target, None, -100, 0.0, 0.0, 0.0, "torch"))
     torch.library.opcheck(cross_entropy.cross_entropy_scale_op, (torch.randn(4, 9), torch.rand(4), "torch"))
     torch.library.opcheck(cross_entropy.cross_entropy_scale_op, (torch.randn(4, 9), torch.rand(1), "torch"))
     layout = torch.tensor([[[1, 0], [1, 1]]])

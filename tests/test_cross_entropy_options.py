@@ -328,6 +328,32 @@ def test_torch_compile_fullgraph_every_option(reduction):
         assert_close(compiled(logits, target), want, torch.float32, "compiled loss without autograd")
 
 
+def test_torch_compile_computes_the_gradient_in_the_backward_graph(cross_entropy_calls, monkeypatch):
+    """Under torch.compile the class-index kernel only reads the logits (no gradient buffer), and the backward graph
+    computes the gradient from them and the rows' statistics, with no scaling pass over a saved gradient; a target
+    outside the classes still gives its row a NaN loss and gradient, an ignored row zeros."""
+    from multisoft_torch import cross_entropy as torch_kernels
+
+    def no_scale(*_):
+        raise AssertionError("the compiled backward scaled a saved gradient")
+
+    monkeypatch.setattr(torch_kernels, "scale", no_scale)
+    compiled = torch.compile(lambda logits, target: multisoft.cross_entropy(logits, target, reduction="none",
+                                                                            backend="torch"),
+                             fullgraph=True, backend="aot_eager")
+    logits = (torch.randn(4, 9) * 3).requires_grad_()
+    target = torch.tensor([2, -100, 9, 0])
+    loss = compiled(logits, target)
+    assert [(name, args[6]) for name, args in cross_entropy_calls] == [("forward", None)]
+    (grad,) = torch.autograd.grad(loss[[0, 1, 3]].sum() + loss[2] * 0, logits)
+    assert loss[2].isnan() and grad[2].isnan().all() and (grad[1] == 0).all()
+    logits64 = logits.detach().double().requires_grad_()
+    expected = reference_cross_entropy(logits64[[0, 1, 3]], target[[0, 1, 3]], reduction="none")
+    (expected_grad,) = torch.autograd.grad(expected.sum(), logits64)
+    assert_close(loss[[0, 1, 3]], expected, torch.float32, "compiled loss")
+    assert_close(grad[[0, 1, 3]], expected_grad[[0, 1, 3]], torch.float32, "compiled gradient")
+
+
 def test_nn_cross_entropy_loss_options():
     weight = torch.rand(12) + 0.5
     module = multisoft.nn.CrossEntropyLoss(weight, ignore_index=2, label_smoothing=0.1, lse_square_scale=0.01,
