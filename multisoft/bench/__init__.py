@@ -15,15 +15,19 @@ backend, and the host time a call of each implementation on a tiny tensor.
 Asked for by name (``--ops linear_cross_entropy``): fused linear cross-entropy's
 forward+backward against its three matrix products, with peak memory and
 errors against float64, next to torch's, Liger-Kernel's and Cut
-Cross-Entropy's. Writes CSV files, ``results.md`` and PNG plots.
+Cross-Entropy's. Asked for by name (``--ops train_step``, alias ``step``): a small
+Llama's training step, eager and under torch.compile, with multisoft's loss against
+the model's own. Writes CSV files, ``results.md`` and PNG plots.
 
 Modules: ``plan`` (ops, shapes, layouts, bytes), ``timing`` (the timers),
 ``impls`` (what is compared), ``run`` (one run), ``host_time`` (the host time a
 call), ``linear`` and ``linear_report`` (fused linear cross-entropy: its run
-and its section of results.md), ``progress``, ``records`` (the CSV and JSON files), ``report``
-(results.md, the targets), ``headline`` (its headline summary and host time
-tables), ``cells`` (how a record reads in a table), ``plots``, ``command`` (the
-command line).
+and its section of results.md), ``vocab_parallel`` and ``vocab_parallel_report``
+(the same of vocabulary-parallel cross-entropy), ``train_step`` and
+``train_step_report`` (the same of the training step), ``progress``, ``records``
+(the CSV and JSON files), ``report`` (results.md, the targets), ``headline`` (its
+headline summary and host time tables), ``cells`` (how a record reads in a
+table), ``plots``, ``command`` (the command line).
 """
 
 from .command import NO_GPU_MESSAGE, main

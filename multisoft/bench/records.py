@@ -14,6 +14,7 @@ ENVIRONMENT_FILE = "environment.json"
 HOST_TIME_FILE = "host_time.csv"
 LINEAR_FILE = "linear_cross_entropy.csv"
 VOCAB_PARALLEL_FILE = "vocab_parallel.csv"
+TRAIN_STEP_FILE = "train_step.csv"
 COPY_AT_END = "copy bandwidth at the end"  # an environment entry: the long copy measured again after the run
 BYTES_COUNTED = "bytes counted"  # an environment entry: how the run counted each op's bytes (plan.bytes_counted)
 
@@ -149,6 +150,25 @@ class VocabParallelRecord:
 
 
 @dataclasses.dataclass
+class TrainStepRecord:
+    """One variant of a small Llama's training step (``train_step``): its mode (eager or compiled), its loss and
+    multisoft backend, the tokens it trains a second, its peak memory, its first step's wall time and its loss after
+    the steps timed, next to the torch loss's of the same mode."""
+
+    mode: str  # "eager", "compiled" or "reduce-overhead" (the torch.compile mode of the forward and loss)
+    loss: str  # "torch", "multisoft" or "multisoft-fused"
+    backend: str  # the multisoft backend; "" for the torch loss
+    model: str  # the model and batch (train_step.ModelConfig.label)
+    tokens_per_s: float | None = None
+    of_torch: float | None = None  # tokens_per_s / the torch loss's of the same mode
+    peak_gib: float | None = None  # torch.cuda.max_memory_allocated() during one step (None off a GPU)
+    first_step_s: float | None = None  # the first step's wall time, compiling included
+    final_loss: float | None = None  # the loss of the last step
+    loss_vs_torch: float | None = None  # |final_loss - the torch loss's| / |the torch loss's|, same mode
+    note: str = ""
+
+
+@dataclasses.dataclass
 class Results:
     environment: dict
     copy_gb_per_s: float | None
@@ -158,6 +178,7 @@ class Results:
     host_times: list[HostTime] = dataclasses.field(default_factory=list)
     linear: list[LinearRecord] = dataclasses.field(default_factory=list)
     vocab_parallel: list[VocabParallelRecord] = dataclasses.field(default_factory=list)
+    train_step: list[TrainStepRecord] = dataclasses.field(default_factory=list)
 
 
 def describe_error(error: BaseException) -> str:
@@ -236,7 +257,7 @@ def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
 
 def write_records(results: Results, out: Path) -> list[Path]:
     """timings.csv, environment.json and, where there are such records, memory.csv, first_calls.csv,
-    host_time.csv, linear_cross_entropy.csv and vocab_parallel.csv in ``out``; the paths written."""
+    host_time.csv, linear_cross_entropy.csv, vocab_parallel.csv and train_step.csv in ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [write_csv(out / "timings.csv", results.timings)]
     environment_path = out / ENVIRONMENT_FILE
@@ -257,6 +278,8 @@ def write_records(results: Results, out: Path) -> list[Path]:
         paths.append(write_csv(out / VOCAB_PARALLEL_FILE, results.vocab_parallel,
                                {"of_unsplit": lambda row: row.of_unsplit,
                                 "collective_share": lambda row: row.collective_share}))
+    if results.train_step:
+        paths.append(write_csv(out / TRAIN_STEP_FILE, results.train_step))
     return paths
 
 
@@ -286,7 +309,8 @@ def read_results(out: Path) -> Results:
     results = Results(saved["environment"], saved["copy_gb_per_s"], _read_csv(out / "timings.csv", Timing))
     for name, file, record in (("memory", "memory.csv", MemoryRecord), ("first_calls", "first_calls.csv", FirstCall),
                                ("host_times", HOST_TIME_FILE, HostTime), ("linear", LINEAR_FILE, LinearRecord),
-                               ("vocab_parallel", VOCAB_PARALLEL_FILE, VocabParallelRecord)):
+                               ("vocab_parallel", VOCAB_PARALLEL_FILE, VocabParallelRecord),
+                               ("train_step", TRAIN_STEP_FILE, TrainStepRecord)):
         if (out / file).exists():
             setattr(results, name, _read_csv(out / file, record))
     return results

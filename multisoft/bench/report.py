@@ -1,7 +1,7 @@
 """results.md: the environment, the headline summary, the cells below each backend's speed target with why, one
 table per op and direction (fractions of the copy bandwidth, kernel / eager), fused linear cross-entropy,
-vocabulary-parallel cross-entropy, then peak memory, first calls, copies of each shape's bytes and the host time a
-call."""
+vocabulary-parallel cross-entropy, a small Llama's training step, then peak memory, first calls, copies of each
+shape's bytes and the host time a call."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from .cells import as_shown, fraction_cell, impl_order, number
 from .headline import headline_section, host_time_section
 from .linear_report import linear_section
 from .records import BYTES_COUNTED, COPY_AT_END, Results, Shortfall, Timing, first_shortfall, write_records
+from .train_step_report import train_step_section
 from .vocab_parallel_report import vocab_parallel_section
 
 # The backends' speed targets, as a fraction of the copy bandwidth: this many for these backends (None: no target;
@@ -201,6 +202,7 @@ def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None)
     for op in ops:
         lines += _op_section(op, [t for t in results.timings if t.op == op])
     lines += linear_section(results.linear) + vocab_parallel_section(results.vocab_parallel)
+    lines += train_step_section(results.train_step)
     lines += _memory_section(results) + _first_calls_section(results) + _copies_section(results)
     lines += host_time_section(results.host_times)
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """One benchmark run: every case of the plan on every implementation (its kernel time and its eager wall time),
-then peak memory, fused linear cross-entropy and vocabulary-parallel cross-entropy (when asked for), the host time a
-call and the environment, with a progress bar."""
+then peak memory, fused linear cross-entropy, vocabulary-parallel cross-entropy and a small Llama's training step
+(when asked for), the host time a call and the environment, with a progress bar."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import host_time, impls, linear, plan, timing, vocab_parallel
+from . import host_time, impls, linear, plan, timing, train_step, vocab_parallel
 from .impls import Impl
 from .progress import Progress
 from .records import BYTES_COUNTED, COPY_AT_END, FirstCall, MemoryRecord, Results, Timing, describe_error
@@ -228,6 +228,10 @@ def run(args) -> Results:
     split_shapes = vocab_parallel.cases(args.quick) if vocab_parallel.OP in args.ops and not args.headline else []
     if split_shapes:
         results.environment.update(vocab_parallel.environment_notes())
+    step_variants = train_step.variants(backends) if train_step.OP in args.ops and not args.headline else []
+    step_config, step_counts = train_step.config(args.quick), train_step.counts(args.quick)
+    if step_variants:
+        results.environment.update(train_step.environment_notes(step_config, step_counts))
     memory_cases = [] if args.headline else cases.get("cross_entropy", [])
     memory_impls = [impl for impl in chosen if "cross_entropy" in impl.ops]
     total = sum(len(case_dtypes(case, args.dtypes)) * len([i for i in chosen if op in i.ops])
@@ -235,6 +239,7 @@ def run(args) -> Results:
     total += sum(len(case_dtypes(case, args.dtypes)) for case in memory_cases) * len(memory_impls)
     total += len(linear_shapes) * len(args.dtypes) * (1 + len(linear_impls))
     total += len(backends) if split_shapes else 0  # one step per backend: its ranks run all its cases
+    total += len(step_variants)
     host_timed = any(op in plan.OPS for op in args.ops)  # the host time a call of softmax and cross-entropy
     runner.progress = Progress(total + host_timed)
     try:
@@ -249,6 +254,7 @@ def run(args) -> Results:
                     _run_memory(runner, memory_impls, case, dtype_name, results)
         results.linear = linear.run_cases(runner, linear_impls, linear_shapes, args.dtypes, timing.long_call_ms)
         results.vocab_parallel = vocab_parallel.run_cases(runner, backends, split_shapes, args.dtypes)
+        results.train_step = train_step.run_cases(runner, step_variants, step_config, step_counts)
         if host_timed:
             runner.progress.step("host time a call")
             results.host_times = host_time.measure_host_times(runner, chosen)
