@@ -24,7 +24,6 @@ forward would cost the compiled backward a copy of it: four).
 from __future__ import annotations
 
 import math
-import sys
 from typing import Optional
 
 import torch
@@ -552,9 +551,11 @@ def _probability_dtypes(logits, target):
 
 
 def _is_dtensor(tensor) -> bool:
-    """Whether ``tensor`` is a DTensor, without importing torch.distributed.tensor (none exists until it is)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
+    """Whether ``tensor`` is a DTensor (or of a subclass), from its classes' names: without importing
+    torch.distributed.tensor, and without reading ``sys.modules``, which torch.compile would trace as a dict that
+    another thread's import can change while it is read."""
+    return any(cls.__name__ == "DTensor" and cls.__module__ == "torch.distributed.tensor"
+               for cls in type(tensor).__mro__)
 
 
 def _probability_targets(logits, target, weight, reduction, label_smoothing, softcap, lse_square_scale, backend):
