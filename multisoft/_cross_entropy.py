@@ -24,7 +24,7 @@ forward would cost the compiled backward a copy of it: four).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -68,6 +68,36 @@ def _denominator(target, weight, ignore_index, classes, dtype):
     if weight is None:
         return counted.sum(dtype=dtype)
     return torch.where(counted, weight[target.clamp(0, classes - 1)], 0.0).sum()
+
+
+class _TargetTerms(NamedTuple):
+    """What a row's loss and gradient take from its class-index target, over all the classes."""
+    ignored: torch.Tensor   # (M,) bool: target == ignore_index
+    valid: torch.Tensor     # (M,) bool: target in [0, classes)
+    keep: object            # (1 - eps) * w[target]: (M,), or the float 1 - eps without weights
+    weight_sum: object      # sum of the class weights: 0-d, or the float number of classes without weights
+
+
+def _target_terms(target, weight, classes, ignore_index, label_smoothing) -> _TargetTerms:
+    """The rows' _TargetTerms; an invalid target reads a weight in bounds (its row is NaN anyway)."""
+    keep = 1.0 - label_smoothing
+    if weight is not None:
+        keep = keep * weight[target.clamp(0, classes - 1)]
+    weight_sum = weight.sum() if weight is not None else float(classes)
+    return _TargetTerms(target == ignore_index, (target >= 0) & (target < classes), keep, weight_sum)
+
+
+def _gradient_coefficients(terms: _TargetTerms, lse, grad_scale, classes, label_smoothing, lse_square_scale):
+    """(3, M) coefficients a, b, c of each row's loss gradient du/dx * (a * p - b * [j == t] - c * w_j), times
+    ``grad_scale`` (0-d or (M,)): a = (1 - eps) * w_t + eps / C * W + 2 * s * lse, b = (1 - eps) * w_t,
+    c = eps / C. NaN for a target outside the classes, 0 for an ignored row."""
+    per_class = label_smoothing / classes
+    grad_scale = torch.where(terms.valid, grad_scale, float("nan"))
+    at_target = grad_scale * terms.keep
+    at_all = at_target + grad_scale * (per_class * terms.weight_sum)
+    if lse_square_scale:
+        at_all = at_all + grad_scale * (2.0 * lse_square_scale * lse)
+    return torch.where(terms.ignored, 0.0, torch.stack((at_all, at_target, grad_scale * per_class)))
 
 
 def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend,
@@ -311,23 +341,15 @@ def _rows_backward(ctx, grad_loss_rows, grad_lse, _grad_row_stats):
 def _rows_gradient(logits, target, weight, lse, row_stats, grad_loss_rows, grad_lse, ignore_index, label_smoothing,
                    softcap, lse_square_scale):
     """d (sum_i g_i * loss_i + sum_i h_i * lse_i) / d logits in torch ops, computed in the statistics' dtype:
-    du/dx * (a * p - b * [j == t] - c * w_j) with p = exp(u - m) / S and, per row, a = g * ((1 - eps) * w_t +
-    eps / C * W + 2 * s * lse) + h, b = g * (1 - eps) * w_t, c = g * eps / C (the loss's terms 0 for an ignored
-    row, NaN for a target outside [0, C))."""
-    classes, compute = logits.shape[1], lse.dtype
-    ignored = target == ignore_index
-    valid = (target >= 0) & (target < classes)
-    target_weight = weight[target.clamp(0, classes - 1)] if weight is not None else 1.0
-    weight_sum = weight.sum() if weight is not None else float(classes)
-    keep, per_class = 1.0 - label_smoothing, label_smoothing / classes
-    g = torch.where(ignored, 0.0, torch.where(valid, grad_loss_rows, float("nan")))
-    at_target = g * (keep * target_weight)
-    at_all = at_target + g * (per_class * weight_sum)
-    if lse_square_scale:
-        at_all = at_all + g * (2.0 * lse_square_scale * lse)
+    du/dx * (a * p - b * [j == t] - c * w_j) with p = exp(u - m) / S, a, b, c the loss's coefficients times g
+    (_gradient_coefficients), and h added to a after an ignored row's are zeroed."""
+    classes = logits.shape[1]
+    terms = _target_terms(target, weight, classes, ignore_index, label_smoothing)
+    at_all, at_target, per_class = _gradient_coefficients(terms, lse, grad_loss_rows, classes, label_smoothing,
+                                                          lse_square_scale)
     if grad_lse is not None:
         at_all = at_all + grad_lse
-    u = logits.to(compute)
+    u = logits.to(lse.dtype)
     if softcap:
         u = torch.tanh(u / softcap) * softcap
     row_max, row_sum = row_stats[0].unsqueeze(1), row_stats[1].unsqueeze(1)
@@ -335,7 +357,7 @@ def _rows_gradient(logits, target, weight, lse, row_stats, grad_loss_rows, grad_
     grad = (u - row_max).exp() / row_sum * at_all.unsqueeze(1)
     grad = grad - torch.where(columns == target.unsqueeze(1), at_target.unsqueeze(1), 0.0)
     if label_smoothing:
-        grad = grad - (g * per_class).unsqueeze(1) * (weight if weight is not None else 1.0)
+        grad = grad - per_class.unsqueeze(1) * (weight if weight is not None else 1.0)
     if softcap:
         grad = grad * (1.0 - (u / softcap).square())
     return grad.to(logits.dtype)

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from . import _validate
-from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _denominator, _empty_rows, _scale,
-                             _stats_dtype, as_rows, check_classes, check_weight, validate_arguments)
+from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _denominator, _empty_rows,
+                             _gradient_coefficients, _scale, _stats_dtype, _target_terms, _TargetTerms, as_rows,
+                             check_classes, check_weight, validate_arguments)
 from ._registry import get_backend, resolve_name
 
 _STATS_PER_ROW = 4   # m_r, S_r, a_r, u_t (or 0): what one rank sends of a row
@@ -131,25 +132,6 @@ def _from_dtensor(logits, target, weight, process_group):
     return logits.to_local(), _replicated_local(target, "target"), _replicated_local(weight, "weight"), group
 
 
-class _TargetTerms(NamedTuple):
-    """What a row's loss and gradient take from its target, for V = ``layout.total`` classes."""
-    ignored: torch.Tensor   # (M,) bool: target == ignore_index
-    valid: torch.Tensor     # (M,) bool: target in [0, V)
-    keep: object            # (1 - eps) * w[target]: (M,), or the float 1 - eps without weights
-    weight_sum: object      # sum of the class weights: 0-d, or the float V without weights
-
-
-def _target_terms(target, weight, layout: _Slice, options: _Options) -> _TargetTerms:
-    classes = layout.total
-    ignored = target == options.ignore_index
-    valid = (target >= 0) & (target < classes)
-    target_weight = weight[torch.where(valid, target, 0).long()] if weight is not None else None
-    weight_sum = weight.sum() if weight is not None else float(classes)
-    keep = (1.0 - options.label_smoothing) * target_weight if target_weight is not None else \
-        1.0 - options.label_smoothing
-    return _TargetTerms(ignored, valid, keep, weight_sum)
-
-
 def _local_target(target, layout: _Slice, ignore_index: int):
     """(owned, local): whether this rank holds the row's target class (and the row is not ignored), and that
     class's column here (-1 where it does not)."""
@@ -216,20 +198,6 @@ def _combine(stats, terms: _TargetTerms, layout: _Slice, options: _Options):
     return loss_rows, lse, torch.stack((row_max, row_sum))
 
 
-def _coefficients(terms: _TargetTerms, lse, grad_scale, layout: _Slice, options: _Options):
-    """Pass 2's (3, M) coefficients a, b, c of the loss's gradient times ``grad_scale`` (0-d or (M,): a mean's
-    1 / denominator over all the rows, 1, or each row's incoming gradient); NaN for a target outside the
-    classes, 0 for an ignored row."""
-    eps, classes = options.label_smoothing, layout.total
-    grad_scale = torch.where(terms.valid, grad_scale, float("nan"))
-    at_target = grad_scale * terms.keep
-    at_all = at_target + grad_scale * (eps / classes * terms.weight_sum)
-    if options.lse_square_scale:
-        at_all = at_all + grad_scale * (2.0 * options.lse_square_scale * lse)
-    per_class = grad_scale * (eps / classes)
-    return torch.where(terms.ignored, 0.0, torch.stack((at_all, at_target, per_class)))
-
-
 def _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout: _Slice,
               options: _Options, backend):
     """Pass 2: this rank's slice of the gradient into ``grad_logits`` (``rows_2d`` itself allowed)."""
@@ -244,7 +212,7 @@ def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend
     dtype = _stats_dtype(rows_2d.dtype)
     local_weight = _local_weight(weight, layout)
     stats, local_target = _row_statistics(rows_2d, target, local_weight, layout, options, backend)
-    terms = _target_terms(target, weight, layout, options)
+    terms = _target_terms(target, weight, layout.total, options.ignore_index, options.label_smoothing)
     loss_rows, lse, row_max_sum = _combine(stats, terms, layout, options)
     denominator = None
     if options.reduction == "none":
@@ -259,7 +227,8 @@ def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend
     # the unsplit forward's grad_scale: a mean's 1 / denominator, else 1
     grad_scale = denominator.reciprocal() if denominator is not None else torch.ones((), dtype=dtype,
                                                                                      device=lse.device)
-    coefficients = _coefficients(terms, lse, grad_scale, layout, options)
+    coefficients = _gradient_coefficients(terms, lse, grad_scale, layout.total, options.label_smoothing,
+                                          options.lse_square_scale)
     if grad_logits is None:
         grad_logits = torch.empty_like(rows_2d)
     _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout, options,
@@ -300,7 +269,7 @@ class LinearChunks:
 
     def __call__(self, logits, rows: slice) -> None:
         target, layout, options = self.target[rows], self.layout, self.options
-        terms = _target_terms(target, self.weight, layout, options)
+        terms = _target_terms(target, self.weight, layout.total, options.ignore_index, options.label_smoothing)
         if self.loss_rows is not None:
             stats, local_target = _row_statistics(logits, target, self.local_weight, layout, options, self.backend)
             loss_rows, lse, row_max_sum = _combine(stats, terms, layout, options)
@@ -313,7 +282,8 @@ class LinearChunks:
         if self.grad_lse is not None:  # from the logits, before pass 2 overwrites them
             lse_part = _lse_gradient(logits, self.grad_lse[rows], row_max_sum, options.softcap)
         if self.grad_scale is not None:
-            coefficients = _coefficients(terms, lse, self.grad_scale[rows], layout, options)
+            coefficients = _gradient_coefficients(terms, lse, self.grad_scale[rows], layout.total,
+                                                  options.label_smoothing, options.lse_square_scale)
             _gradient(logits, local_target, self.local_weight, row_max_sum, coefficients, logits, layout, options,
                       self.backend)
             if lse_part is not None:
