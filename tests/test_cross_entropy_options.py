@@ -115,6 +115,28 @@ def test_reduction_none_with_ignore_index_gives_zero_rows_and_torchs_others(back
     assert (loss[ignored] == 0).all()
 
 
+@pytest.mark.parametrize("bad_weight", [float("inf"), float("nan")], ids=["inf", "nan"])
+@on_each_backend
+def test_an_ignored_row_takes_no_class_weight(backend, bad_weight):
+    """An ignored row's loss and gradient are 0 whatever the class weights, as torch's: a non-finite weight of the
+    class an ignored target would index (0, for -100 clamped) touches no ignored row; rows of other classes are
+    torch's."""
+    logits, target, _ = _inputs(torch.float32, rows=12, classes=30)
+    target[target == 0] = 1
+    weight = torch.rand(30, device=DEVICE) + 0.5
+    weight[0] = bad_weight
+    loss = multisoft.cross_entropy(logits, target, weight=weight, reduction="none", backend=backend)
+    grad_loss = torch.rand(12, device=DEVICE) + 0.5
+    (grad,) = torch.autograd.grad(loss, logits, grad_loss)
+    leaf = logits.detach().double().requires_grad_()
+    expected = F.cross_entropy(leaf, target, weight=weight.double(), reduction="none")
+    (expected_grad,) = torch.autograd.grad(expected, leaf, grad_loss.double())
+    ignored = target == -100
+    assert (loss[ignored] == 0).all() and (grad[ignored] == 0).all()
+    assert_close(loss, expected, torch.float32, "loss")
+    assert_close(grad, expected_grad, torch.float32, "gradient")
+
+
 @each_reduction
 @each_dtype
 @on_each_backend

@@ -20,7 +20,7 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
     in_range = (target >= 0) & (target < classes)
     safe = torch.where(in_range & ~ignored, target, 0).long()
     w = torch.ones(classes, dtype=torch.float64, device=u.device) if weight is None else weight.to(torch.float64)
-    target_weight = w[safe]
+    target_weight = torch.where(ignored, 0.0, w[safe])  # an ignored row takes no weight, as torch's
     row_lse = u.logsumexp(-1)
     per_row = (1.0 - eps) * target_weight * (row_lse - u.gather(1, safe.unsqueeze(1)).squeeze(1))
     if eps:  # only then: a -inf logit's lse - u is inf, and 0 * inf would make the loss NaN
@@ -42,8 +42,12 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
         return
     p = torch.softmax(u, -1)
     one_hot = torch.zeros_like(p).scatter_(1, safe.unsqueeze(1), 1.0)
-    grad_u = (p * ((1.0 - eps) * target_weight + eps / classes * w.sum() + 2.0 * s * row_lse).unsqueeze(1)
-              - (1.0 - eps) * target_weight.unsqueeze(1) * one_hot - eps / classes * w)
+    total = (1.0 - eps) * target_weight + 2.0 * s * row_lse
+    if eps:  # only then: eps / C * w is NaN where a weight is infinite
+        total = total + eps / classes * w.sum()
+    grad_u = p * total.unsqueeze(1) - (1.0 - eps) * target_weight.unsqueeze(1) * one_hot
+    if eps:
+        grad_u = grad_u - eps / classes * w
     grad = grad_u * (1.0 - (u / softcap).square()) if softcap else grad_u
     g = torch.where(ignored, 0.0, torch.where(in_range, grad_scale.to(torch.float64), float("nan")))
     grad_logits.copy_(grad * g.unsqueeze(1))

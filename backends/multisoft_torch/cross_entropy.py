@@ -104,7 +104,8 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
         # torch.logsumexp's value where the max is infinite (the shifted sum is NaN there)
         row_lse = torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)
         lse[rows] = row_lse
-        target_weight = weight[safe] if weight is not None else None
+        # an ignored row takes no weight (torch's): weight[0] may be inf or NaN, and 0 * inf is NaN
+        target_weight = torch.where(ignored, 0.0, weight[safe]) if weight is not None else None
         nll = shifted_target.add_(log_sum)
         per_row = keep * (nll * target_weight if target_weight is not None else nll)
         if label_smoothing:
@@ -118,7 +119,8 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
         g = torch.where(ignored, 0.0, torch.where(in_range, grad_scale[rows], float("nan")))
         at_target = g * keep * target_weight if target_weight is not None else g * keep
         factor = keep * target_weight if target_weight is not None else keep
-        factor = factor + smooth_per_class * weight_sum
+        if label_smoothing:  # 0 * weight_sum is NaN for an infinite weight
+            factor = factor + smooth_per_class * weight_sum
         if lse_square_scale:
             factor = factor + 2.0 * lse_square_scale * row_lse
         grad = exponentials.mul_((g * factor / sums).unsqueeze(1))
