@@ -93,8 +93,9 @@ def _gradient_coefficients(terms: _TargetTerms, lse, grad_scale, classes, label_
     c = eps / C. NaN for a target outside the classes, 0 for an ignored row."""
     per_class = label_smoothing / classes
     grad_scale = torch.where(terms.valid, grad_scale, float("nan"))
-    at_target = grad_scale * terms.keep
-    at_all = at_target + grad_scale * (per_class * terms.weight_sum)
+    at_target = at_all = grad_scale * terms.keep
+    if label_smoothing:  # only then: 0 * W is NaN for an infinite class weight
+        at_all = at_all + grad_scale * (per_class * terms.weight_sum)
     if lse_square_scale:
         at_all = at_all + grad_scale * (2.0 * lse_square_scale * lse)
     return torch.where(terms.ignored, 0.0, torch.stack((at_all, at_target, grad_scale * per_class)))

@@ -200,10 +200,13 @@ def _combine(stats, terms: _TargetTerms, layout: _Slice, options: _Options):
 
 def _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout: _Slice,
               options: _Options, backend):
-    """Pass 2: this rank's slice of the gradient into ``grad_logits`` (``rows_2d`` itself allowed)."""
+    """Pass 2: this rank's slice of the gradient into ``grad_logits`` (``rows_2d`` itself allowed). The class
+    weights enter it only through label smoothing's term: without smoothing they are not passed (a row then takes
+    no weight but its target's, as torch's, even where another class's weight is infinite)."""
     if layout.width:
         get_backend(backend).kernels("cross_entropy").gradient(
-            rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, options.softcap)
+            rows_2d, local_target, local_weight if options.label_smoothing else None, row_max_sum, coefficients,
+            grad_logits, options.softcap)
 
 
 def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend, want_grad, grad_logits=None):

@@ -39,6 +39,8 @@ CASES = {
     # masked: row 0's classes on the last rank are all -inf (a padded vocabulary), its target on rank 0
     "plain": dict(masked=True),
     "weighted-ignored": dict(weighted=True, masked=True),
+    # class 0's weight infinite and no target of class 0: an ignored row (-100 indexes class 0) takes no weight
+    "infinite-weight-ignored": dict(weighted=True, infinite_weight=True),
     "smoothing": dict(label_smoothing=0.1),
     "weighted-smoothing": dict(weighted=True, label_smoothing=0.2),
     "softcap-z-loss": dict(softcap=3.0, lse_square_scale=0.02, masked=True),
@@ -58,6 +60,9 @@ def _inputs(spec, dtype, widths, device, seed, rows=ROWS):
         logits[0, classes - widths[-1]:] = -INF
         target[0] = 0
     weight = torch.rand(classes, generator=generator) + 0.5 if spec.get("weighted") else None
+    if spec.get("infinite_weight"):
+        weight[0] = INF
+        target[target == 0] = 1
     return (logits.to(dtype).to(device), target.to(device), None if weight is None else weight.to(device))
 
 
