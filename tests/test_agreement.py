@@ -273,6 +273,46 @@ def test_a_positive_infinity_makes_the_cross_entropy_row_nan(backend, classes):
         assert_close(gradient, expected_gradient, torch.float32, f"gradient ({kind})")
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["uncapped", "softcap"])
+@pytest.mark.parametrize("classes", [37, 9000], ids=lambda c: f"C{c}")
+@on_each_backend
+def test_the_lse_of_a_row_holding_an_infinity_is_torchs_logsumexp(backend, classes, softcap):
+    """return_lse gives torch.logsumexp of the (capped) logits for rows holding infinities: +inf for a row holding
+    +inf, though its loss and gradient are NaN, and -inf for a row of -inf only; a softcap caps either infinity to
+    a finite logit, and the lse is then finite. Class indices and probabilities, each by the forward alone and by
+    the forward that also writes the gradient."""
+    _skip_big(backend, 4 * classes)
+    x = torch.randn(4, classes, device=DEVICE)
+    x[0, classes // 2] = float("inf")
+    x[1, 1] = float("inf")
+    x[1, 2] = float("-inf")
+    x[2] = float("-inf")
+    indices = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    probabilities = torch.softmax(torch.randn(4, classes, device=DEVICE), 1)
+    for target in (indices, probabilities):
+        kind = "probabilities" if target.is_floating_point() else "class indices"
+        expected_leaf = x.double().requires_grad_()
+        expected, expected_lse = reference_cross_entropy(expected_leaf, target, reduction="none", softcap=softcap,
+                                                         return_lse=True)
+        if softcap is None:
+            inf = float("inf")
+            assert expected_lse[:3].tolist() == [inf, inf, -inf], "torch's logsumexp of these rows"
+        else:
+            assert torch.isfinite(expected_lse).all(), "torch's logsumexp of capped logits"
+        ones = torch.ones(4, dtype=torch.float64, device=DEVICE)
+        (expected_gradient,) = torch.autograd.grad(expected, expected_leaf, ones)
+        for wants_gradient in (False, True):
+            what = f"({kind}, {'with' if wants_gradient else 'without'} the gradient)"
+            leaf = x.clone().requires_grad_(wants_gradient)
+            loss, lse = multisoft.cross_entropy(leaf, target, reduction="none", softcap=softcap, return_lse=True,
+                                                backend=backend)
+            assert_close(lse, expected_lse, torch.float32, f"lse {what}")
+            assert_close(loss, expected, torch.float32, f"loss {what}")
+            if wants_gradient:
+                (gradient,) = torch.autograd.grad(loss, leaf, ones.float())
+                assert_close(gradient, expected_gradient, torch.float32, f"gradient {what}")
+
+
 # -- block-sparse softmax
 
 

@@ -115,7 +115,9 @@ __device__ __forceinline__ void ce_rows(const CeArgs<T, TI>& a) {
         st = row_reduce<TPR, CLUSTER>(st);
         const float row_lse = st.m + logf(st.s);
         if (lane == 0 && rank == 0) {
-            a.lse[row] = row_lse;
+            // torch's logsumexp: +inf where a logit is (st.s is NaN then, from exp(inf - inf)); the loss keeps
+            // row_lse, NaN as torch's is
+            a.lse[row] = st.m == MS_INF ? st.m : row_lse;
             float value = ignored ? 0.f : MS_NAN;
             if (valid) {
                 const float target_u = CAP ? a.softcap * tanhf(target_logit * inv_cap) : target_logit;
@@ -296,7 +298,7 @@ __device__ __forceinline__ void ce_probs_rows(const CeProbsArgs<T>& a) {
         const float log_sum = logf(total.s);
         const float row_lse = total.m + log_sum;
         if (lane == 0 && rank == 0) {
-            a.lse[row] = row_lse;
+            a.lse[row] = total.m == MS_INF ? total.m : row_lse;  // as in ce_rows
             float value = row_gap + total.a * log_sum;
             if (zloss) value += a.lse_square_scale * row_lse * row_lse;
             a.loss[row] = value;

@@ -32,7 +32,7 @@ import numpy
 from numba import cuda, float32, uint64
 
 from . import _tuning
-from ._cross_entropy_probabilities import probabilities_kernel
+from ._cross_entropy_probabilities import POS_INF, probabilities_kernel
 from ._device import (NAN, NEG_INF, block_online_merge, block_sum, expf, kahan_add, logf, nan_max, strided_io,
                       word_layout)
 from ._launch import (MAX_THREADS, SIMULATOR, device_function, device_index, kernel, launch, multiprocessors,
@@ -185,7 +185,8 @@ def _forward(fmt, width, per_thread, cached, smooth, has_weight, capped, with_gr
         if valid:
             w_t = weight[t] if has_weight else float32(1.0)
         if tid == 0:
-            lse[row] = row_lse
+            # torch's logsumexp: inf where a logit is (s is NaN then); the loss keeps row_lse, NaN as torch's is
+            lse[row] = m if m == POS_INF else row_lse
             row_weight[row] = w_t
             value = float32(0.0) if ignored else NAN
             if valid:

@@ -103,6 +103,14 @@ def _gradient_scales(lse, total, target_weight, valid, grad_scale, weight_sum, k
 
 
 @triton.jit
+def _logsumexp(shift, lse):
+    """The lse to store: shift + log S, or the shift where it is +inf, torch's logsumexp of a row holding +inf (whose
+    S is NaN, from exp(inf - inf)); the loss and gradient of such a row stay NaN, as torch's are. tl.max passes a NaN
+    over: a row holding both +inf and NaN gets +inf, where torch's logsumexp is NaN."""
+    return tl.where(shift == float("inf"), shift, lse)
+
+
+@triton.jit
 def _store_row_stats(stats_ptr, stats_stride, rows, mask, row_max, total, weighted_sum):
     """row_stats[:, rows] = (m, S, sum_j w_j u_j). m is the max as found (-inf for a row of -inf, whose S is 0); a
     NaN among the logits, which makes S NaN but which the max may pass over, makes it NaN as torch's max is (an S
@@ -151,7 +159,7 @@ def _tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weig
         smooth = tl.sum(tl.where(mask, w * ((shift[:, None] - u) + log_sum[:, None]), 0.0), axis=1)
     loss = _row_loss(shift, log_sum, u_target, smooth, ignored, valid, target_weight, keep, smooth_per_class,
                      lse_square_scale, SMOOTH, ZLOSS)
-    tl.store(lse_ptr + rows, lse, mask=row_mask)
+    tl.store(lse_ptr + rows, _logsumexp(shift, lse), mask=row_mask)
     tl.store(loss_ptr + rows, loss, mask=row_mask)
     tl.store(row_weight_ptr + rows, target_weight, mask=row_mask)
     if WRITE_STATS:
@@ -216,7 +224,7 @@ def _loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse_ptr, row_weig
     u_target, _ = _capped(x_target, softcap, inv_softcap, SOFTCAP)
     loss = _row_loss(row_max, log_sum, u_target, smooth, ignored, valid, target_weight, keep, smooth_per_class,
                      lse_square_scale, SMOOTH, ZLOSS)
-    tl.store(lse_ptr + row, lse)
+    tl.store(lse_ptr + row, _logsumexp(row_max, lse))
     tl.store(loss_ptr + row, loss)
     tl.store(row_weight_ptr + row, target_weight)
     if WRITE_STATS:
@@ -345,7 +353,7 @@ def _probabilities_tile_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse
     loss = tl.sum(tl.where(mask, wq * ((shift[:, None] - u) + log_sum[:, None]), 0.0), axis=1)
     if ZLOSS:
         loss += lse_square_scale * lse * lse
-    tl.store(lse_ptr + rows, lse, mask=row_mask)
+    tl.store(lse_ptr + rows, _logsumexp(shift, lse), mask=row_mask)
     tl.store(loss_ptr + rows, loss, mask=row_mask)
     if WRITE_GRAD:
         grad_scale = tl.load(grad_scale_ptr + rows * grad_scale_stride, mask=row_mask, other=0.0)
@@ -393,7 +401,7 @@ def _probabilities_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse
     loss = shifted_sum + wq_sum * log_sum
     if ZLOSS:
         loss += lse_square_scale * lse * lse
-    tl.store(lse_ptr + row, lse)
+    tl.store(lse_ptr + row, _logsumexp(shift, lse))
     tl.store(loss_ptr + row, loss)
     if WRITE_GRAD:
         grad_scale = tl.load(grad_scale_ptr + row * grad_scale_stride)
