@@ -265,9 +265,9 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
 
 
 def test_launch_opts_in_to_large_shared_memory_once(monkeypatch):
-    """Beyond 48 KB of dynamic shared memory a kernel needs the opt-in attribute: set once per device and
-    kernel for the largest size asked (again after clear_cache reloads the modules), never for 48 KB or less;
-    every launch gets its bytes."""
+    """A kernel's dynamic shared memory is opted in to (48 KB less its static shared memory is all it gets
+    without): set once per device and kernel for the largest size asked (again after clear_cache reloads the
+    modules), 48 KB included, never for a launch without dynamic shared memory; every launch gets its bytes."""
     import contextlib
     import types
 
@@ -294,10 +294,10 @@ def test_launch_opts_in_to_large_shared_memory_once(monkeypatch):
     kb = 1024
     source = _instances.SOFTMAX_STAGED_SOURCE
     for device, expr, size in ((1, "a", 64 * kb), (1, "a", 64 * kb), (1, "b", 48 * kb), (1, "a", 32 * kb),
-                               (1, "a", 100 * kb), (2, "a", 64 * kb)):
+                               (1, "a", 100 * kb), (2, "a", 64 * kb), (1, "c", 0)):
         _launch.launch(torch.empty(device), source, expr, (1, 1, 1), (32, 1, 1), (), shared_mem=size)
     assert kernels[(1, "a")].opt_ins == [64 * kb, 100 * kb] and kernels[(2, "a")].opt_ins == [64 * kb]
-    assert kernels[(1, "b")].opt_ins == []
+    assert kernels[(1, "b")].opt_ins == [48 * kb] and kernels[(1, "c")].opt_ins == []
     assert kernels[(1, "a")].shared == [64 * kb, 64 * kb, 32 * kb, 100 * kb]
     _launch.clear_cache()
     _launch.launch(torch.empty(1), source, "a", (1, 1, 1), (32, 1, 1), (), shared_mem=64 * kb)
@@ -483,6 +483,27 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
         x[3] = float("-inf")
         dy = torch.randn_like(x)
         check_rows(softmax, x, dy, dtype, f"cols={cols} grid<={max_grid}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype,cols", [(torch.float32, 12288), (torch.bfloat16, 24576), (torch.bfloat16, 49152),
+                                        (torch.bfloat16, 98304)])
+def test_softmax_staged_rows_of_48_kilobytes(dtype, cols):
+    """Rows whose staged slice takes exactly 48 KB of shared memory in one direction, as the tuning picks it: with
+    the kernel's static shared memory that is past what a block gets without opting in (such rows once failed to
+    launch with CUDA_ERROR_INVALID_VALUE)."""
+    softmax, _, _ = _kernels()
+    from multisoft_cupy import _launch
+
+    index = torch.cuda.current_device()
+    cc, _ = _launch.device_info(index)
+    if cc < 90 and cols > 24576:
+        pytest.skip("clusters need sm_90")
+    sizes = {direction: cfg.shared_bytes(direction, dtype.itemsize) for direction in ("fwd", "bwd")
+             if (cfg := _tuning.staged_config(direction, cols, dtype.itemsize, cc, _launch.shared_memory(index)))}
+    assert 48 * 1024 in sizes.values(), f"no direction stages 48 KB at {cols} columns: {sizes}"
+    x = torch.randn(5, cols, device=_device()).mul(4).to(dtype)
+    check_rows(softmax, x, torch.randn_like(x), dtype, f"cols={cols}")
 
 
 @gpu

@@ -127,8 +127,10 @@ def launch(tensor: torch.Tensor, source: str, expression: str, grid: tuple, bloc
     fn = kernel(index, source, ctype(tensor.dtype), expression)
     with cupy.cuda.Device(index), _stream(index):
         key = (index, ctype(tensor.dtype), expression)
-        if shared_mem > 48 * 1024 and _shared_set.get(key, 0) < shared_mem:
-            fn.max_dynamic_shared_size_bytes = shared_mem  # beyond 48 KB needs the opt-in
+        # Without the opt-in a block may hold 48 KB less the kernel's static shared memory, so even a dynamic
+        # size just under 48 KB can fail to launch: opt in to whatever is asked, once per kernel.
+        if shared_mem and _shared_set.get(key, 0) < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem
             _shared_set[key] = shared_mem
         fn(grid, block, args, shared_mem=shared_mem)
 
