@@ -264,7 +264,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
             assert type(arg).__name__ == expected, (expression, param, type(arg))
 
 
-def test_launch_opts_in_to_large_shared_memory_once(monkeypatch):
+def test_launch_opts_in_to_its_dynamic_shared_memory_once(monkeypatch):
     """A kernel's dynamic shared memory is opted in to (48 KB less its static shared memory is all it gets
     without): set once per device and kernel for the largest size asked (again after clear_cache reloads the
     modules), 48 KB included, never for a launch without dynamic shared memory; every launch gets its bytes."""
@@ -490,8 +490,8 @@ def test_softmax_staged_rows_match_float64(cluster, group, dtype, monkeypatch):
                                         (torch.bfloat16, 98304)])
 def test_softmax_staged_rows_of_48_kilobytes(dtype, cols):
     """Rows whose staged slice takes exactly 48 KB of shared memory in one direction, as the tuning picks it: with
-    the kernel's static shared memory that is past what a block gets without opting in (such rows once failed to
-    launch with CUDA_ERROR_INVALID_VALUE)."""
+    the kernel's static shared memory that is past what a block gets without opting in (without it the launch
+    fails with CUDA_ERROR_INVALID_VALUE)."""
     softmax, _, _ = _kernels()
     from multisoft_cupy import _launch
 
