@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _validate
+from ._forward_ad import refuse_tangents
 from ._registry import get_backend, resolve_name
 
 BLOCKS = (16, 32, 64, 128)
@@ -225,6 +226,7 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor, block: int, *, sc
     number (0 gives every unmasked element of a row the same share).
     """
     _validate.floating(x, "x")
+    refuse_tangents("blocksparse_softmax", x=x)
     scale = _validate.finite(scale, "scale")
     is_causal = _validate.boolean(is_causal, "is_causal")
     name = resolve_name(x.device, x.dtype, _validate.backend_name(backend))
@@ -246,6 +248,7 @@ def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torc
     """Gradient of ``blocksparse_softmax`` given its output ``y`` and the incoming ``dy``:
     ``scale * y * (dy - rowsum(y * dy))``, in the compressed format."""
     _validate.tensor(y, "y")
+    refuse_tangents("blocksparse_softmax_backward", y=y, dy=dy)
     lut = lookup_table(layout, block, y.device)
     _check_blocks(y, "y", lut)
     _check_blocks(dy, "dy", lut)

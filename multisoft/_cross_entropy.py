@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _validate
+from ._forward_ad import refuse_tangents
 from ._registry import get_backend, resolve_name
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -63,11 +64,14 @@ def _broadcast_value(rows: int, dtype: torch.dtype, device: torch.device, value:
 def _denominator(target, weight, ignore_index, classes, dtype):
     """A mean's denominator, sum over the rows of w[target] (1 without weights), 0 for an ignored row: from the
     targets alone, so that the forward can fold 1 / denominator into the gradient it writes. An out-of-range
-    target adds a weight in bounds (its loss is NaN anyway)."""
+    target adds a weight in bounds (its loss is NaN anyway). Weights that sum to 0 give NaN, so that the mean is
+    NaN as torch's is (its weighted mean is 0 / 0 there, even where label smoothing or the z-loss add to the
+    sum); without weights a sum of 0 means every row is ignored, and the losses' sum is 0 too."""
     counted = target != ignore_index
     if weight is None:
         return counted.sum(dtype=dtype)
-    return torch.where(counted, weight[target.clamp(0, classes - 1)], 0.0).sum()
+    total = torch.where(counted, weight[target.clamp(0, classes - 1)], 0.0).sum()
+    return torch.where(total != 0, total, float("nan"))
 
 
 class _TargetTerms(NamedTuple):
@@ -101,17 +105,28 @@ def _gradient_coefficients(terms: _TargetTerms, lse, grad_scale, classes, label_
     return torch.where(terms.ignored, 0.0, torch.stack((at_all, at_target, grad_scale * per_class)))
 
 
+def _folds_mean(dtype: torch.dtype) -> bool:
+    """Whether a mean's 1 / denominator is folded into the gradient the forward writes (and the backward then
+    costs nothing for ``loss.backward()``). Not for float16: a mean's gradient over N rows is the row gradient
+    over N, which float16 (smallest normal 6e-5) rounds to 0 for small probabilities before a loss scale
+    (``torch.amp.GradScaler``) multiplies it back in the backward; so float16 keeps the row gradient and the
+    backward multiplies it by the incoming gradient over the denominator, as torch's own backward computes it."""
+    return dtype != torch.float16
+
+
 def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend,
-                    reduction, want_grad, grad_logits=None, separate=False):
-    """Runs the backend's forward; returns (loss reduced, lse, grad_logits or None).
+                    reduction, want_grad, grad_logits=None, separate=False, fold_mean=True):
+    """Runs the backend's forward; returns (loss reduced, lse, grad_logits or None, the mean's denominator that the
+    backward must divide by, or None).
 
     One (3, M) allocation holds the per-row losses, row weights and lse (each allocation costs host time), or
     with ``separate`` (a custom op's outputs must not alias) three. With ``want_grad`` the gradient is written
-    into ``grad_logits`` (a new buffer when None) scaled by the reduction's grad_scale."""
+    into ``grad_logits`` (a new buffer when None) scaled by the reduction's grad_scale: for a mean 1 / its
+    denominator, unless ``fold_mean`` is False (then 1, and the denominator is returned)."""
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
     if target.is_floating_point():
         return _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse_square_scale, backend,
-                                      reduction, want_grad, separate)
+                                      reduction, want_grad, separate, fold_mean)
     if separate:
         loss_rows, row_weight, lse = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(3))
     else:
@@ -119,10 +134,11 @@ def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softc
     denominator = grad_scale = None
     if reduction == "mean":
         denominator = _denominator(target, weight, ignore_index, logits.shape[1], dtype)
-        if want_grad:
+    if want_grad:
+        if reduction == "mean" and fold_mean:
             grad_scale = denominator.reciprocal().expand(rows)
-    elif want_grad:
-        grad_scale = _broadcast_value(rows, dtype, logits.device)
+        else:
+            grad_scale = _broadcast_value(rows, dtype, logits.device)
     if want_grad and grad_logits is None:
         grad_logits = torch.empty_like(logits)
     get_backend(backend).kernels("cross_entropy").forward(
@@ -134,11 +150,12 @@ def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softc
         loss = loss_rows.sum()
     else:
         loss = torch.div(loss_rows.sum(), denominator)
-    return loss, lse, grad_logits if want_grad else None
+    unfolded = denominator if want_grad and reduction == "mean" and not fold_mean else None
+    return loss, lse, grad_logits if want_grad else None, unfolded
 
 
 def _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse_square_scale, backend, reduction,
-                           want_grad, separate):
+                           want_grad, separate, fold_mean=True):
     """_kernel_forward of class-probability targets (M, C), of the logits' dtype: the backend's
     probabilities_forward; a mean divides by the number of rows, as torch's does for probabilities."""
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
@@ -147,8 +164,9 @@ def _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse
     else:
         loss_rows, lse = torch.empty((2, rows), dtype=dtype, device=logits.device).unbind()
     grad_logits = grad_scale = None
+    fold = reduction == "mean" and fold_mean
     if want_grad:
-        grad_scale = _broadcast_value(rows, dtype, logits.device, 1.0 / rows if reduction == "mean" else 1.0)
+        grad_scale = _broadcast_value(rows, dtype, logits.device, 1.0 / rows if fold else 1.0)
         grad_logits = torch.empty_like(logits)
     get_backend(backend).kernels("cross_entropy").probabilities_forward(
         logits, target, weight, loss_rows, lse, grad_logits, grad_scale, label_smoothing, softcap, lse_square_scale)
@@ -158,7 +176,7 @@ def _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse
         loss = loss_rows.sum()
     else:
         loss = torch.div(loss_rows.sum(), rows)
-    return loss, lse, grad_logits
+    return loss, lse, grad_logits, rows if want_grad and reduction == "mean" and not fold else None
 
 
 def _scale(grad_logits, grad, backend):
@@ -208,9 +226,9 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend,
                 reduction, return_lse, inplace):
-        loss, lse, grad_logits = _kernel_forward(
+        loss, lse, grad_logits, ctx.divisor = _kernel_forward(
             logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend, reduction,
-            True, grad_logits=logits if inplace else None)
+            True, grad_logits=logits if inplace else None, fold_mean=_folds_mean(logits.dtype))
         if inplace:
             # The kernel wrote through a raw pointer: tell autograd, so that any op that saved the logits' old
             # values raises in its backward instead of reading the gradient.
@@ -235,7 +253,7 @@ class _CrossEntropy(torch.autograd.Function):
         if grad is None:
             grad_logits = None
         else:
-            _scale(grad_logits, grad, ctx.backend)
+            _scale(grad_logits, grad if ctx.divisor is None else grad / ctx.divisor, ctx.backend)
         if grad_lse is not None:
             if ctx.inplace:
                 raise RuntimeError(_INPLACE_LSE)
@@ -253,8 +271,8 @@ def cross_entropy_forward_op(logits: torch.Tensor, target: torch.Tensor, weight:
                              ignore_index: int, label_smoothing: float, softcap: float, lse_square_scale: float,
                              reduction: str, want_grad: bool, return_lse: bool, backend: str
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    loss, lse, grad_logits = _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softcap,
-                                             lse_square_scale, backend, reduction, want_grad, separate=True)
+    loss, lse, grad_logits, _ = _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softcap,
+                                                lse_square_scale, backend, reduction, want_grad, separate=True)
     return loss, lse, grad_logits if grad_logits is not None else logits.new_empty(0)
 
 
@@ -382,13 +400,31 @@ def check_classes(classes, logits, target):
         raise ValueError(f"logits has no classes (shape {tuple(logits.shape)}): there is nothing to predict from")
 
 
-def check_weight(weight, classes, logits):
-    """``weight``: None, or one floating value per class on the logits' device."""
+def check_weight(weight, classes, logits, differentiable=False):
+    """``weight``: None, or one floating value per class on the logits' device; one that requires grad only where
+    the loss is ``differentiable`` in it (class-probability targets, as with torch: its class-index loss is not
+    differentiable in the weights either), rather than its gradient silently left out."""
     if weight is not None:
         _validate.floating(weight, "weight")
         if weight.shape != (classes,):
             raise ValueError(f"weight must have shape ({classes},), one per class, got {tuple(weight.shape)}")
         _validate.same_device(logits, "logits", weight=weight)
+        if weight.requires_grad and torch.is_grad_enabled() and not differentiable:
+            raise ValueError("weight requires grad, but cross-entropy over class indices is not differentiable in "
+                             "its class weights (nor is torch's): pass weight.detach()")
+
+
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+_INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
+
+
+def index_targets(target, ignore_index):
+    """Class-index targets as the kernels take them, contiguous (rows,): int32 ones as int64 where
+    ``ignore_index`` lies outside int32 (compared in int32 it would wrap around and match a target it is not)."""
+    flat = target.reshape(-1)
+    if flat.dtype == torch.int32 and not _INT32_MIN <= ignore_index <= _INT32_MAX:
+        return flat.long()
+    return flat.contiguous()
 
 
 def validate_arguments(logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
@@ -419,9 +455,10 @@ def validate_arguments(logits, target, weight, ignore_index, reduction, label_sm
                              f"{tuple(logits.shape)}, got {tuple(target.shape)}")
     if not sliced:
         check_classes(classes, logits, target)
-        check_weight(weight, classes, logits)
+        check_weight(weight, classes, logits, differentiable=probabilities)
     _validate.same_device(logits, "logits", target=target, weight=weight)
-    _validate.integer(ignore_index, "ignore_index")
+    if not _INT64_MIN <= _validate.integer(ignore_index, "ignore_index") <= _INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64 (a class index), got {ignore_index}")
     _validate.one_of(reduction, REDUCTIONS, "reduction")
     label_smoothing = _validate.real(label_smoothing, "label_smoothing")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -495,6 +532,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     are used, and plain tensors are returned. Not traced by
     ``torch.compile`` (it runs eagerly, a graph break; fullgraph=True fails).
     """
+    refuse_tangents("cross_entropy", logits=logits, target=target, weight=weight)
     if process_group is not None or _is_dtensor(logits):
         from . import _vocab_parallel
 
@@ -509,13 +547,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     if probabilities:
         if inplace_backward:
             raise ValueError("inplace_backward=True is not supported with class-probability targets")
-        if target.requires_grad and torch.is_grad_enabled():
+        if (target.requires_grad or weight is not None and weight.requires_grad) and torch.is_grad_enabled():
             loss, lse = _probability_targets(logits, target, weight, reduction, label_smoothing, softcap,
                                              lse_square_scale, backend)
             return (loss, lse) if return_lse else loss
         logits, target = _probability_dtypes(logits, target)
     stats_dtype = _stats_dtype(logits.dtype)
-    rows_2d, flat_target = as_rows(logits, target)
+    rows_2d, flat_target = as_rows(logits, target, ignore_index)
     if weight is not None:
         weight = weight.to(stats_dtype).contiguous()
     if rows_2d.numel() == 0:
@@ -534,8 +572,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                                      lse_square_scale, backend, reduction, return_lse, inplace_backward)
         loss, lse = result if return_lse else (result, None)
     else:
-        loss, lse, _ = _kernel_forward(rows_2d, flat_target, weight, ignore_index, label_smoothing, softcap,
-                                       lse_square_scale, backend, reduction, False)
+        loss, lse, _, _ = _kernel_forward(rows_2d, flat_target, weight, ignore_index, label_smoothing, softcap,
+                                          lse_square_scale, backend, reduction, False)
     row_shape = logits.shape[:1] + logits.shape[2:] if logits.ndim >= 2 else torch.Size()  # index targets' shape
     if reduction == "none" and logits.ndim != 2:
         loss = loss.reshape(row_shape)
@@ -544,12 +582,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     return loss, lse.reshape(row_shape) if logits.ndim != 2 else lse
 
 
-def as_rows(logits, target):
-    """(logits as contiguous (rows, C), targets as contiguous (rows,), or (rows, C) for class probabilities): the
-    class dimension moved last."""
+def as_rows(logits, target, ignore_index):
+    """(logits as contiguous (rows, C), targets as ``index_targets`` gives them, or (rows, C) for class
+    probabilities): the class dimension moved last."""
     if target.is_floating_point():
         return _class_last(logits), _class_last(target)
-    return _class_last(logits), target.reshape(-1).contiguous()
+    return _class_last(logits), index_targets(target, ignore_index)
 
 
 def _class_last(tensor):

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 
 from . import _validate
 from ._cross_entropy import (_broadcast_value, _denominator, _is_dtensor, _lse_gradient, _stats_dtype, check_weight,
-                             cross_entropy, validate_arguments)
+                             cross_entropy, index_targets, validate_arguments)
+from ._forward_ad import refuse_tangents
 from ._registry import get_backend, resolve_name
 
 # A chunk's logits take at most CHUNK_BYTES (or an eighth of all the logits, if less), but a chunk has at least
@@ -434,7 +435,7 @@ def _check(input, linear_weight, target, linear_bias, weight, ignore_index, redu
 
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                         reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                         reduction: str = "mean", ignore_index: int | None = -100, label_smoothing: float = 0.0,
                          lse_square_scale: float = 0.0, softcap: float | None = None, return_lse: bool = False,
                          backend: str | None = None, chunk_size: int | None = None, process_group=None):
     """``multisoft.cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)`` without the logits.
@@ -486,7 +487,14 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     depends on the incoming gradient); so does a gradient through a returned
     lse. DTensor arguments are not taken. Not traced by ``torch.compile`` (it
     runs eagerly, a graph break).
+
+    ``ignore_index=None`` means -100, as in torch's ``F.linear_cross_entropy``.
+    Forward-mode AD is not supported (a tangent raises).
     """
+    refuse_tangents("linear_cross_entropy", input=input, linear_weight=linear_weight, linear_bias=linear_bias,
+                    weight=weight)
+    if ignore_index is None:
+        ignore_index = -100
     input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
     arguments = (input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
                  lse_square_scale, softcap, return_lse, backend, chunk_size, process_group)
@@ -523,7 +531,7 @@ def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, red
         lse_square_scale, softcap, return_lse, chunk_size, process_group)
     backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend))
     input2d = input.reshape(-1, input.shape[-1])
-    flat_target = target.reshape(-1).contiguous()
+    flat_target = index_targets(target, ignore_index)
     rows = input2d.shape[0]
     if rows == 0:
         return cross_entropy(F.linear(input2d, linear_weight, linear_bias), flat_target, weight, ignore_index,

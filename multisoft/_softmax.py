@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import _validate
+from ._forward_ad import has_tangent
 from ._registry import get_backend, resolve_name
 
 # -- the kernels of one backend on 2-D contiguous rows, into torch-allocated outputs
@@ -65,18 +68,28 @@ softmax_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 class _Softmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, log, backend):
+    def forward(ctx, x, log, backend, tangent=False):
         y = _forward(x, log, backend)
         ctx.log, ctx.backend = log, backend
         ctx.save_for_backward(y)
+        if tangent:  # x only where forward-mode AD asks for it, so that a backward graph does not keep it
+            ctx.save_for_forward(x)
         return y
+
+    @staticmethod
+    def jvp(ctx, x_tangent, *_):
+        """Forward-mode AD: the tangent of y for the tangent of x, in torch ops from x (not from y, which for
+        16-bit x is rounded: a log_softmax's exp(y) would be off by y's rounding)."""
+        (x,) = ctx.saved_tensors
+        return _tangent(x, x_tangent, ctx.log)
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that can itself be differentiated
-            return _differentiable_backward(y, dy, ctx.log), None, None
-        return _backward(y, dy, ctx.log, ctx.backend), None, None
+        # create_graph=True, or forward-mode AD over this backward: a gradient that can itself be differentiated
+        if torch.is_grad_enabled() or has_tangent(y, dy):
+            return _differentiable_backward(y, dy, ctx.log), None, None, None
+        return _backward(y, dy, ctx.log, ctx.backend), None, None, None
 
 
 def _differentiable_backward(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
@@ -90,6 +103,15 @@ def _differentiable_backward(y: torch.Tensor, dy: torch.Tensor, log: bool) -> to
     return dx.to(y.dtype)
 
 
+def _tangent(x: torch.Tensor, x_tangent: torch.Tensor, log: bool) -> torch.Tensor:
+    """d y for d x = ``x_tangent`` = t, with p = softmax(x): softmax ``p * (t - sum(p * t))``, log_softmax
+    ``t - sum(p * t)``; in float32 (float64 for float64) and returned in x's dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    p, t = torch.softmax(x.to(compute), -1), x_tangent.to(compute)
+    dot = (p * t).sum(-1, keepdim=True)
+    return (t - dot if log else p * (t - dot)).to(x.dtype)
+
+
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """float32 where torch's softmax and log_softmax would compute in it because of ``torch.autocast``: CUDA's
     autocast runs them in float32 for a floating input but float64 (16-bit in, float32 out) when no ``dtype=`` is
@@ -99,12 +121,22 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+def implicit_dim(name: str, ndim: int, stacklevel: int) -> int:
+    """torch's choice of ``dim`` when none is given (``F.softmax(x)``), with its deprecation warning: 0 for 0-, 1-
+    and 3-dimensional inputs, else 1."""
+    warnings.warn(f"Implicit dimension choice for {name} has been deprecated. Change the call to include dim=X as "
+                  f"an argument.", stacklevel=stacklevel)
+    return 0 if ndim in (0, 1, 3) else 1
+
+
 def _apply(x, dim, dtype, backend, log):
     _validate.tensor(x, "x")
     dtype = _validate.float_dtype(dtype)
     if dtype is None:
         _validate.floating(x, "x")  # like torch: an integer x needs a floating dtype= to compute in
         dtype = _autocast_dtype(x)
+    if dim is None:
+        dim = implicit_dim("log_softmax" if log else "softmax", x.ndim, stacklevel=4)
     dim = _validate.dim(dim, x.ndim)
     backend = _validate.backend_name(backend)
     if dtype is not None:
@@ -113,13 +145,15 @@ def _apply(x, dim, dtype, backend, log):
         return _apply(x.reshape(1), 0, None, backend, log).reshape(())
     name = resolve_name(x.device, x.dtype, backend)
     if x.numel() == 0:
-        return x.clone()  # no elements, but part of autograd as torch's result would be
+        return (torch.log_softmax if log else torch.softmax)(x, dim)  # no elements: torch's, autograd and all
     last = dim == x.ndim - 1
     rows = x if last else x.movedim(dim, -1)
     rows_2d = rows if rows.ndim == 2 else rows.reshape(-1, rows.shape[-1])
     rows_2d = rows_2d.contiguous()
     if torch.compiler.is_compiling():
         y = softmax_forward_op(rows_2d, log, name)
+    elif has_tangent(rows_2d):
+        y = _Softmax.apply(rows_2d, log, name, True)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
         y = _Softmax.apply(rows_2d, log, name)
     else:
@@ -129,20 +163,22 @@ def _apply(x, dim, dtype, backend, log):
     return y if last else y.movedim(-1, dim)
 
 
-def softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
+def softmax(x: torch.Tensor, dim: int | None = None, *, dtype: torch.dtype | None = None,
             backend: str | None = None) -> torch.Tensor:
-    """Softmax of ``x`` along ``dim``, like ``torch.softmax``; differentiable.
+    """Softmax of ``x`` along ``dim``, like ``torch.nn.functional.softmax``; differentiable.
 
-    ``dtype`` casts ``x`` first (so an integer ``x`` works with a floating
-    ``dtype``, as in torch); without it, under CUDA's ``torch.autocast`` a
-    16-bit ``x`` gives a float32 result, as torch's does. ``backend`` picks the
-    implementation (see ``multisoft.use_backend``). Arithmetic is float32 for
-    16-bit inputs. Double backward (``create_graph=True``) works.
+    ``dim=None`` is torch's deprecated implicit choice, with its warning (dim 0
+    for 0-, 1- and 3-dimensional ``x``, else 1): pass ``dim``. ``dtype`` casts
+    ``x`` first (so an integer ``x`` works with a floating ``dtype``, as in
+    torch); without it, under CUDA's ``torch.autocast`` a 16-bit ``x`` gives a
+    float32 result, as torch's does. ``backend`` picks the implementation (see
+    ``multisoft.use_backend``). Arithmetic is float32 for 16-bit inputs. Double
+    backward (``create_graph=True``) and forward-mode AD work.
     """
     return _apply(x, dim, dtype, backend, log=False)
 
 
-def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None,
+def log_softmax(x: torch.Tensor, dim: int | None = None, *, dtype: torch.dtype | None = None,
                 backend: str | None = None) -> torch.Tensor:
-    """Log-softmax of ``x`` along ``dim``, like ``torch.log_softmax``; differentiable."""
+    """Log-softmax of ``x`` along ``dim``, like ``torch.nn.functional.log_softmax``; arguments as ``softmax``."""
     return _apply(x, dim, dtype, backend, log=True)

@@ -355,7 +355,7 @@ def cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothi
     check_classes(layout.total, logits, target)
     check_weight(weight, layout.total, logits)  # all V classes, every rank's slice
     stats_dtype = _stats_dtype(logits.dtype)
-    rows_2d, flat_target = as_rows(logits, target)
+    rows_2d, flat_target = as_rows(logits, target, ignore_index)
     if weight is not None:
         weight = weight.to(stats_dtype).contiguous()
     options = _Options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)

@@ -185,7 +185,7 @@ def _cases(device: torch.device, small: bool):
             x = (torch.randn(shape, generator=gen) * 3).to(device, dtype).requires_grad_()
             dy = torch.randn(shape, generator=gen).to(device, dtype)
             op = multisoft.log_softmax if log else multisoft.softmax
-            y = op(x, backend=backend)
+            y = op(x, -1, backend=backend)
             (dx,) = torch.autograd.grad(y, x, dy)
             return {"forward": (y, reference_softmax(x.detach(), -1, log), None),
                     "backward": (dx, reference_softmax_backward(y, dy, -1, log),

@@ -15,12 +15,12 @@ from ._softmax import log_softmax, softmax
 class Softmax(torch.nn.Module):
     """``torch.nn.Softmax`` on multisoft's kernels: ``multisoft.softmax(x, dim)``.
 
-    ``dim`` defaults to the last dimension (torch's module has no default and
-    guesses one with a warning). ``backend`` picks the implementation for every
+    ``dim=None`` (the default, as torch's) is torch's deprecated implicit choice,
+    with its warning: give ``dim``. ``backend`` picks the implementation for every
     call (None: the automatic choice, see ``multisoft.use_backend``).
     """
 
-    def __init__(self, dim: int = -1, *, backend: str | None = None):
+    def __init__(self, dim: int | None = None, *, backend: str | None = None):
         super().__init__()
         self.dim, self.backend = dim, backend
 
@@ -41,7 +41,7 @@ class LogSoftmax(Softmax):
 def _legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
     """torch's deprecated ``size_average``/``reduce`` pair as a ``reduction`` (as ``torch.nn`` maps them)."""
     warnings.warn("size_average and reduce are deprecated, as in torch: use reduction='none'|'mean'|'sum'",
-                  DeprecationWarning, stacklevel=3)
+                  stacklevel=3)
     if reduce is False:
         return "none"
     return "sum" if size_average is False else "mean"

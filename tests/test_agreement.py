@@ -79,7 +79,7 @@ def test_softmax_infinities(backend, log, dtype):
     x[3, 10] = 60000.0 if dtype == torch.float16 else 1e30  # one huge entry
     x = x.requires_grad_()
     op = multisoft.log_softmax if log else multisoft.softmax
-    y = op(x, backend=backend)
+    y = op(x, -1, backend=backend)
     assert_close(y, reference_softmax(x, -1, log), dtype, "forward")
     dy = torch.randn(5, n, device=DEVICE).to(dtype)
     (dx,) = torch.autograd.grad(y, x, dy)
@@ -396,7 +396,7 @@ def _large_inputs_on(backend):
 def test_softmax_past_2_31_elements(backend, shape, one_large_test_at_a_time):
     _large_inputs_on(backend)
     x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
-    y = multisoft.softmax(x, backend=backend)
+    y = multisoft.softmax(x, -1, backend=backend)
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     tail = _rows_past_2_31(*shape)
@@ -445,7 +445,7 @@ def test_blocksparse_softmax_past_2_31_elements(backend, one_large_test_at_a_tim
 def _every_op(backend, device):
     """Each op forward and backward on `device`, checked against the float64 reference."""
     x = torch.randn(3, 300_000, device=device, requires_grad=True)  # long enough for the multi-program paths
-    y = multisoft.softmax(x, backend=backend)
+    y = multisoft.softmax(x, -1, backend=backend)
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)
     assert y.device == x.device and dx.device == x.device

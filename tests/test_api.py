@@ -43,26 +43,26 @@ def _fake_names():
 def test_resolution_order(ran, monkeypatch):
     other = _fake_names()
     x = torch.randn(2, 3)
-    multisoft.softmax(x)
+    multisoft.softmax(x, -1)
     assert ran[-1] == _registry.backend_names()[0], "default: the highest-priority backend that can run"
     monkeypatch.setenv(_registry.ENV_VAR, "torch")
-    multisoft.softmax(x)
+    multisoft.softmax(x, -1)
     assert ran[-1] == "torch", "environment beats the default"
     with multisoft.use_backend(other):
-        multisoft.softmax(x)
+        multisoft.softmax(x, -1)
         assert ran[-1] == other, "use_backend beats the environment"
-        multisoft.softmax(x, backend="torch")
+        multisoft.softmax(x, -1, backend="torch")
         assert ran[-1] == "torch", "the argument beats use_backend"
         with multisoft.use_backend("torch"):
-            multisoft.softmax(x)
+            multisoft.softmax(x, -1)
             assert ran[-1] == "torch", "the innermost use_backend wins"
-        multisoft.softmax(x)
+        multisoft.softmax(x, -1)
         assert ran[-1] == other
     monkeypatch.setenv(_registry.ENV_VAR, f"nonexistent_but_listed_later, {other}")
     with pytest.raises(ValueError, match="unknown backend"):
-        multisoft.softmax(x)
+        multisoft.softmax(x, -1)
     monkeypatch.setenv(_registry.ENV_VAR, f"{other},torch")
-    multisoft.softmax(x)
+    multisoft.softmax(x, -1)
     assert ran[-1] == other, "a priority list takes the first that can run"
 
 
@@ -70,11 +70,11 @@ def test_environment_priority_list_skips_what_cannot_run(monkeypatch):
     monkeypatch.setenv(_registry.ENV_VAR, "cupy,torch")
     assert _registry.get_backend("cupy").unavailable_reason(torch.device("cpu"), torch.float32) is not None
     x = torch.randn(3, 4)
-    torch.testing.assert_close(multisoft.softmax(x), torch.softmax(x, -1))
+    torch.testing.assert_close(multisoft.softmax(x, -1), torch.softmax(x, -1))
     assert _registry.resolve(x.device, x.dtype).name == "torch"
     monkeypatch.setenv(_registry.ENV_VAR, "cupy")
     with pytest.raises(multisoft.BackendUnavailableError, match="cupy"):
-        multisoft.softmax(x)
+        multisoft.softmax(x, -1)
 
 
 def test_use_backend_is_thread_local():
@@ -94,7 +94,7 @@ def test_use_backend_is_thread_local():
 
 def test_unknown_backend_lists_known_ones():
     with pytest.raises(ValueError, match=r"unknown backend 'nope'.*torch"):
-        multisoft.softmax(torch.randn(2, 2), backend="nope")
+        multisoft.softmax(torch.randn(2, 2), -1, backend="nope")
     with pytest.raises(ValueError, match="unknown backend"):
         with multisoft.use_backend("nope"):
             pass
@@ -104,20 +104,20 @@ def test_named_backend_that_cannot_run_raises_with_reason(monkeypatch):
     backend = _registry.get_backend("torch")
     monkeypatch.setattr(backend.module, "unavailable_reason", lambda device, dtype: "no CUDA device")
     with pytest.raises(multisoft.BackendUnavailableError, match="no CUDA device"):
-        multisoft.softmax(torch.randn(2, 2), backend="torch")
+        multisoft.softmax(torch.randn(2, 2), -1, backend="torch")
 
 
 def test_missing_framework_says_how_to_install(monkeypatch):
     backend = _registry.get_backend("torch")
     monkeypatch.setattr(backend.module, "version", lambda: None)
     with pytest.raises(multisoft.BackendUnavailableError, match="not installed.*pip install"):
-        multisoft.softmax(torch.randn(2, 2), backend="torch")
+        multisoft.softmax(torch.randn(2, 2), -1, backend="torch")
 
 
 def test_automatic_choice_falls_back_to_torch_on_cpu(monkeypatch):
     monkeypatch.delenv(_registry.ENV_VAR, raising=False)
     x = torch.randn(4, 5, dtype=torch.float64)
-    torch.testing.assert_close(multisoft.softmax(x), torch.softmax(x, -1))
+    torch.testing.assert_close(multisoft.softmax(x, -1), torch.softmax(x, -1))
     assert "torch" in multisoft.available_backends()
     assert "torch" in multisoft.available_backends("cross_entropy")
     with pytest.raises(ValueError, match="op must be one of"):
@@ -141,11 +141,11 @@ def test_info_runs():
 
 
 @pytest.mark.parametrize("call, error, pattern", [
-    (lambda: multisoft.softmax(torch.arange(4)), TypeError, "x must have a floating dtype"),
+    (lambda: multisoft.softmax(torch.arange(4), -1), TypeError, "x must have a floating dtype"),
     (lambda: multisoft.softmax([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
     (lambda: multisoft.softmax(torch.randn(2, 3), dim=2), ValueError, "dim=2 is out of range"),
     (lambda: multisoft.softmax(torch.randn(2, 3), dim=1.0), TypeError, "dim must be an int"),
-    (lambda: multisoft.log_softmax(torch.randn(2, 3), dtype=torch.int32), TypeError, "dtype must be"),
+    (lambda: multisoft.log_softmax(torch.randn(2, 3), -1, dtype=torch.int32), TypeError, "dtype must be"),
     (lambda: multisoft.cross_entropy(torch.arange(6).view(2, 3), torch.zeros(2, dtype=torch.long)),
      TypeError, "logits must have a floating dtype"),
     (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.int16)), TypeError,
@@ -223,8 +223,8 @@ def test_tensors_on_different_devices():
 
 
 def test_empty_tensors_give_empty_results():
-    assert multisoft.softmax(torch.randn(0, 5)).shape == (0, 5)
-    assert multisoft.log_softmax(torch.randn(3, 0)).shape == (3, 0)
+    assert multisoft.softmax(torch.randn(0, 5), -1).shape == (0, 5)
+    assert multisoft.log_softmax(torch.randn(3, 0), -1).shape == (3, 0)
     loss = multisoft.cross_entropy(torch.randn(0, 5), torch.zeros(0, dtype=torch.long), reduction="none")
     assert loss.shape == (0,)
     assert multisoft.cross_entropy(torch.randn(0, 5), torch.zeros(0, dtype=torch.long), reduction="sum") == 0
@@ -236,8 +236,9 @@ def test_empty_inputs_take_part_in_autograd():
     """As with torch's ops, the result of an empty input that requires grad can be differentiated (an empty
     gradient), and the result is not the input itself."""
     layout = torch.zeros(1, 2, 2, dtype=torch.long)
-    cases = ((multisoft.softmax, torch.randn(0, 5)), (multisoft.log_softmax, torch.randn(3, 0)),
-             (lambda t: multisoft.softmax(t, dtype=torch.float64), torch.randn(0, 5)),
+    cases = ((lambda t: multisoft.softmax(t, -1), torch.randn(0, 5)),
+             (lambda t: multisoft.log_softmax(t, -1), torch.randn(3, 0)),
+             (lambda t: multisoft.softmax(t, -1, dtype=torch.float64), torch.randn(0, 5)),
              (lambda t: multisoft.blocksparse_softmax(t, layout, 16), torch.randn(3, 0, 16, 16)),
              (lambda t: multisoft.cross_entropy(t, torch.zeros(0, dtype=torch.long), reduction="sum"),
               torch.randn(0, 5)))
@@ -273,7 +274,7 @@ def test_kernels_never_see_an_empty_tensor(monkeypatch):
 
 def test_zero_dim_softmax():
     x = torch.tensor(3.0)
-    assert multisoft.softmax(x).item() == 1.0 and multisoft.log_softmax(x).item() == 0.0
+    assert multisoft.softmax(x, 0).item() == 1.0 and multisoft.log_softmax(x, 0).item() == 0.0
 
 
 # -- semantics beyond the harness
@@ -282,7 +283,7 @@ def test_zero_dim_softmax():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dtype_argument_casts_first(dtype):
     x = torch.randn(4, 9, dtype=torch.float64)
-    y = multisoft.softmax(x, dtype=dtype, backend="torch")
+    y = multisoft.softmax(x, -1, dtype=dtype, backend="torch")
     assert y.dtype == dtype
     torch.testing.assert_close(y, torch.softmax(x, -1, dtype=dtype))
 
@@ -391,7 +392,7 @@ def test_lookup_table_causal_prefix_is_what_the_mask_keeps():
 
 def test_gradcheck_reference_float64():
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: multisoft.softmax(t, backend="torch"), (x,))
+    assert torch.autograd.gradcheck(lambda t: multisoft.softmax(t, -1, backend="torch"), (x,))
     assert torch.autograd.gradcheck(lambda t: multisoft.log_softmax(t, 0, backend="torch"), (x,))
     layout = torch.tensor([[[1, 1], [1, 0]]])
     blocks = torch.randn(1, 3, 16, 16, dtype=torch.float64, requires_grad=True)

@@ -81,13 +81,13 @@ def test_automatic_choice_never_picks_reference(monkeypatch, dtype):
                                 lambda device, dtype: "switched off for this test")
     _registry.clear_caches()
     with pytest.raises(multisoft.BackendUnavailableError, match="no installed backend can run"):
-        multisoft.softmax(torch.randn(2, 3, device=DEVICE, dtype=dtype))
+        multisoft.softmax(torch.randn(2, 3, device=DEVICE, dtype=dtype), -1)
     # by name it still runs: as the argument, in use_backend, and in $MULTISOFT_BACKEND, alone or in a list
     x = torch.randn(2, 3, device=DEVICE, dtype=dtype)
     expected = torch.softmax(x.double(), -1).to(dtype)
-    assert torch.equal(multisoft.softmax(x, backend="reference"), expected)
+    assert torch.equal(multisoft.softmax(x, -1, backend="reference"), expected)
     with multisoft.use_backend("reference"):
-        assert torch.equal(multisoft.softmax(x), expected)
+        assert torch.equal(multisoft.softmax(x, -1), expected)
     for listed in ("reference", "torch, reference"):
         monkeypatch.setenv(_registry.ENV_VAR, listed)
         assert _registry.resolve(DEVICE, dtype).name == "reference"
@@ -112,7 +112,7 @@ def test_reference_by_name_is_float64_rounded_once():
     x = (torch.randn(7, 300, device=DEVICE) * 3).requires_grad_()
     for log in (False, True):
         op = multisoft.log_softmax if log else multisoft.softmax
-        assert torch.equal(op(x, backend="reference"), _softmax64(x.detach(), log).float())
+        assert torch.equal(op(x, -1, backend="reference"), _softmax64(x.detach(), log).float())
     target = torch.randint(0, 300, (7,), device=DEVICE)
     loss = multisoft.cross_entropy(x, target, reduction="none", label_smoothing=0.1, backend="reference")
     expected = F.cross_entropy(x.detach().double(), target, reduction="none", label_smoothing=0.1)
@@ -152,7 +152,7 @@ def test_16_bit_rows_are_computed_in_float32(dtype):
     x[1] = -2.0
     for log in (False, True):
         op = multisoft.log_softmax if log else multisoft.softmax
-        y = op(x, backend="torch")
+        y = op(x, -1, backend="torch")
         assert torch.equal(y, _softmax64(x, log).to(dtype)), (log, y[:, :3])
     logits = x.clone().requires_grad_()
     target = torch.tensor([5, 60_000], device=DEVICE)
@@ -186,7 +186,7 @@ def test_softmax_across_chunks(small_chunks, log, dtype):
     x[36, 1:] = float("-inf")    # the last chunk's one row: one finite element
     x = x.requires_grad_()
     op = multisoft.log_softmax if log else multisoft.softmax
-    y = op(x, backend="torch")
+    y = op(x, -1, backend="torch")
     assert_close(y, _softmax64(x.detach(), log), tolerance, "forward")
     dy = torch.randn(37, 1000, device=DEVICE).to(dtype)
     (dx,) = torch.autograd.grad(y, x, dy)

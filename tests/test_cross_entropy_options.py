@@ -474,3 +474,26 @@ def test_torch_compile_fullgraph_probability_targets(reduction):
     (want_grad,) = torch.autograd.grad(want, logits64)
     assert_close(got, want, torch.float32, "compiled loss")
     assert_close(grad, want_grad, torch.float32, "compiled gradient")
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True], ids=["buffer", "inplace"])
+@on_each_backend
+def test_float16_gradient_of_a_mean_keeps_what_a_loss_scale_restores(backend, inplace_backward):
+    """float16 with a loss scale (torch.amp.GradScaler): the gradient of a mean over N rows scaled by S must hold
+    S / N * (p - [j == t]) to float16's rounding, also where p / N alone is below float16's range (here p ~ e^-10
+    and N = 512: p / N rounded to float16 is 0 or one subnormal step, which S = N then multiplies back to an error
+    of 1e-5). Elementwise against float64: |error| <= float16's rtol * |expected| + two subnormal steps (2**-23)."""
+    rows, classes, loss_scale = 512, 8, 512.0
+    x = torch.randn(rows, classes, device=DEVICE)
+    target = torch.randint(0, classes, (rows,), device=DEVICE)
+    x[torch.arange(rows), target] += 10.0
+    x = x.half()
+    x64 = x.double().requires_grad_()
+    (F.cross_entropy(x64, target) * loss_scale).backward()
+    logits = x.clone().requires_grad_()
+    (multisoft.cross_entropy(logits, target, backend=backend, inplace_backward=inplace_backward)
+     * loss_scale).backward()
+    assert logits.grad.dtype == torch.float16
+    bound = 2e-3 * x64.grad.abs() + 2.0 ** -23
+    ratio = ((logits.grad.double() - x64.grad).abs() / bound).max().item()
+    assert ratio <= 1.0, f"max error is {ratio:.3g} x the bound"

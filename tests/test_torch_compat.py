@@ -105,7 +105,7 @@ def test_backend_must_be_a_name():
     x = torch.randn(2, 3)
     layout = torch.ones(1, 1, 1, dtype=torch.long)
     blocks = torch.randn(1, 1, 16, 16)
-    calls = [lambda: multisoft.softmax(x, backend=1), lambda: multisoft.log_softmax(x, backend=1),
+    calls = [lambda: multisoft.softmax(x, -1, backend=1), lambda: multisoft.log_softmax(x, -1, backend=1),
              lambda: multisoft.cross_entropy(x, torch.tensor([0, 1]), backend=1),
              lambda: multisoft.blocksparse_softmax(blocks, layout, 16, backend=1),
              lambda: multisoft.blocksparse_softmax_backward(blocks, blocks, layout, 16, backend=1)]
@@ -240,9 +240,107 @@ def test_nn_modules_have_docstrings_and_torchs_positional_order():
     theirs = torch.nn.CrossEntropyLoss(weight, None, 2, None, "sum", 0.1)
     logits, target = torch.randn(5, 6), torch.tensor([0, 2, 5, 2, 1])
     torch.testing.assert_close(ours(logits, target), theirs(logits, target))
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(UserWarning, match="size_average and reduce are deprecated"):
         legacy = multisoft.nn.CrossEntropyLoss(reduce=False)
     assert legacy.reduction == "none"
     probabilities = torch.softmax(torch.randn(5, 6), 1)
     ours, theirs = multisoft.nn.CrossEntropyLoss(weight), torch.nn.CrossEntropyLoss(weight)
     torch.testing.assert_close(ours(logits, probabilities), theirs(logits, probabilities))
+
+
+# -- what a swap once got silently wrong
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 3, 4), (2, 3, 4, 5)], ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_no_dim_is_torchs_implicit_choice_with_its_warning(log, shape):
+    """F.softmax(x) without dim takes dim 0 for 1- and 3-D x, else 1, and warns; so do multisoft's function and
+    module (whose dim defaults to None, as torch's does)."""
+    x = torch.randn(shape, device=DEVICE)
+    torch_op, ours = (F.log_softmax, multisoft.log_softmax) if log else (F.softmax, multisoft.softmax)
+    module = multisoft.nn.LogSoftmax() if log else multisoft.nn.Softmax()
+    with pytest.warns(UserWarning, match="Implicit dimension choice"):
+        expected = torch_op(x)
+    for call in (lambda: ours(x, backend="torch"), lambda: module(x)):
+        with pytest.warns(UserWarning, match="Implicit dimension choice"):
+            torch.testing.assert_close(call(), expected)
+
+
+@on_each_backend
+def test_an_empty_softmax_is_part_of_autograd_as_torchs(backend):
+    """No elements: torch's own op, so that its gradient can itself be differentiated (create_graph)."""
+    x = torch.empty(0, 5, device=DEVICE, requires_grad=True)
+    (g,) = torch.autograd.grad(multisoft.softmax(x, -1, backend=backend), x, torch.empty(0, 5, device=DEVICE),
+                               create_graph=True)
+    assert g.requires_grad and g.shape == (0, 5)
+
+
+@on_each_backend
+def test_int32_targets_with_an_ignore_index_beyond_int32(backend):
+    """An ignore_index no int32 target can equal ignores nothing (compared in int32 it wrapped around: 2**32 + 1
+    ignored class 1); beyond int64 it is refused."""
+    logits = torch.randn(3, 5, device=DEVICE, requires_grad=True)
+    target = torch.tensor([0, 1, 2], device=DEVICE)
+    for ignore_index in (2**32 + 1, 2**32 - 1, -2**40):
+        for reduction in ("none", "mean"):
+            ours = multisoft.cross_entropy(logits, target.int(), ignore_index=ignore_index, reduction=reduction,
+                                           backend=backend)
+            theirs = F.cross_entropy(logits.detach().double(), target, ignore_index=ignore_index,
+                                     reduction=reduction)
+            assert_close(ours, theirs, torch.float32, f"ignore_index={ignore_index} {reduction}")
+    hidden, linear_weight = torch.randn(3, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE)
+    ours = multisoft.linear_cross_entropy(hidden, linear_weight, target.int(), ignore_index=2**32 + 1,
+                                          reduction="none", backend=backend)
+    assert_close(ours, F.cross_entropy((hidden @ linear_weight.T).double(), target, reduction="none"),
+                 torch.float32, "linear_cross_entropy")
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        multisoft.cross_entropy(logits, target, ignore_index=2**63, backend=backend)
+
+
+@on_each_backend
+def test_a_weight_that_requires_grad_gets_it_or_raises(backend):
+    """Class probabilities: the weight gets torch's gradient. Class indices: refused, as torch refuses them, not
+    left without a gradient."""
+    logits = torch.randn(4, 7, device=DEVICE, requires_grad=True)
+    weight = (torch.rand(7, device=DEVICE) + 0.5).requires_grad_()
+    probabilities = torch.softmax(torch.randn(4, 7, device=DEVICE), 1)
+    multisoft.cross_entropy(logits, probabilities, weight=weight, label_smoothing=0.1, backend=backend).backward()
+    logits64, weight64 = logits.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    F.cross_entropy(logits64, probabilities.double(), weight=weight64, label_smoothing=0.1).backward()
+    assert_close(weight.grad, weight64.grad, torch.float32, "weight.grad")
+    assert_close(logits.grad, logits64.grad, torch.float32, "logits.grad")
+    target = torch.tensor([0, 6, 2, 1], device=DEVICE)
+    for frozen_logits in (logits, logits.detach()):
+        with pytest.raises(ValueError, match="weight requires grad"):
+            multisoft.cross_entropy(frozen_logits, target, weight=weight, backend=backend)
+    with pytest.raises(ValueError, match="weight requires grad"):
+        multisoft.linear_cross_entropy(torch.randn(4, 3, device=DEVICE, requires_grad=True),
+                                       torch.randn(7, 3, device=DEVICE), target, weight=weight, backend=backend)
+    with torch.no_grad():
+        multisoft.cross_entropy(logits, target, weight=weight, backend=backend)
+
+
+@on_each_backend
+def test_a_mean_over_target_weights_that_sum_to_zero_is_nan(backend):
+    """torch's weighted mean is 0 / 0 there, even where label smoothing adds a positive sum (which gave +inf)."""
+    logits = torch.randn(3, 5, device=DEVICE, requires_grad=True)
+    target = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    weight = torch.tensor([0.0, 1, 1, 1, 1], device=DEVICE)
+    for smoothing in (0.0, 0.1):
+        theirs = F.cross_entropy(logits.detach(), target, weight=weight, label_smoothing=smoothing)
+        assert theirs.isnan()
+        ours = multisoft.cross_entropy(logits, target, weight=weight, label_smoothing=smoothing, backend=backend)
+        assert ours.isnan(), f"label_smoothing={smoothing}: {ours.item()}"
+        hidden = torch.randn(3, 4, device=DEVICE)
+        lce = multisoft.linear_cross_entropy(hidden, torch.randn(5, 4, device=DEVICE), target, weight=weight,
+                                             label_smoothing=smoothing, backend=backend)
+        assert lce.isnan(), f"linear_cross_entropy, label_smoothing={smoothing}: {lce.item()}"
+
+
+def test_linear_cross_entropy_takes_torchs_ignore_index_none():
+    """F.linear_cross_entropy's ignore_index defaults to None, which means -100."""
+    hidden, linear_weight = torch.randn(4, 3), torch.randn(6, 3)
+    target = torch.tensor([0, -100, 5, 2])
+    torch.testing.assert_close(
+        multisoft.linear_cross_entropy(hidden, linear_weight, target, ignore_index=None, backend="torch"),
+        multisoft.linear_cross_entropy(hidden, linear_weight, target, backend="torch"))

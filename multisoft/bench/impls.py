@@ -48,9 +48,9 @@ def backend_impl(name: str) -> Impl:
         import multisoft
 
         if op == "softmax":
-            return lambda x: multisoft.softmax(x, backend=name)
+            return lambda x: multisoft.softmax(x, -1, backend=name)
         if op == "log_softmax":
-            return lambda x: multisoft.log_softmax(x, backend=name)
+            return lambda x: multisoft.log_softmax(x, -1, backend=name)
         if op == "cross_entropy":
             target, options = inputs["target"], inputs.get("options", {})
             return lambda x: multisoft.cross_entropy(x, target, backend=name, **options)
