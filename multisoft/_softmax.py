@@ -63,6 +63,21 @@ def _op_backward(ctx, dy):
 softmax_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+def _backward_setup_context(ctx, inputs, output):
+    y, dy, ctx.log, _ = inputs
+    ctx.save_for_backward(y, dy)
+
+
+def _backward_op_backward(ctx, grad_dx):
+    """Double backward under torch.compile: the backward op's own gradient, in torch ops."""
+    y, dy = ctx.saved_tensors
+    grad_y, grad_dy = _backward_of_backward(y, dy, grad_dx, ctx.log)
+    return grad_y, grad_dy, None, None
+
+
+softmax_backward_op.register_autograd(_backward_op_backward, setup_context=_backward_setup_context)
+
+
 # -- autograd Function, the eager path (no custom-op dispatch cost)
 
 
@@ -101,6 +116,24 @@ def _differentiable_backward(y: torch.Tensor, dy: torch.Tensor, log: bool) -> to
     else:
         dx = y32 * (dy32 - (y32 * dy32).sum(-1, keepdim=True))
     return dx.to(y.dtype)
+
+
+def _backward_of_backward(y, dy, g, log):
+    """The gradients of sum(g * dx) in y and dy, dx the backward (``_differentiable_backward``): softmax
+    ``dx = y * (dy - s)``, s = sum(y * dy): d/dy = y * (g - sum(g * y)), d/dy' = g * (dy - s) - dy * sum(g * y);
+    log_softmax ``dx = dy - exp(y) * sum(dy)``: d/ddy = g - sum(g * exp(y)), d/dy = -g * exp(y) * sum(dy).
+    In float32 (float64 for float64), returned in y's and dy's dtypes."""
+    compute = torch.promote_types(y.dtype, torch.float32)
+    y32, dy32, g32 = y.to(compute), dy.to(compute), g.to(compute)
+    if log:
+        p = y32.exp()
+        grad_dy = g32 - (g32 * p).sum(-1, keepdim=True)
+        grad_y = -g32 * p * dy32.sum(-1, keepdim=True)
+    else:
+        g_dot_y = (g32 * y32).sum(-1, keepdim=True)
+        grad_dy = y32 * (g32 - g_dot_y)
+        grad_y = g32 * (dy32 - (y32 * dy32).sum(-1, keepdim=True)) - dy32 * g_dot_y
+    return grad_y.to(y.dtype), grad_dy.to(dy.dtype)
 
 
 def _tangent(x: torch.Tensor, x_tangent: torch.Tensor, log: bool) -> torch.Tensor:

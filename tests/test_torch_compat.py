@@ -191,13 +191,22 @@ def test_softmax_under_autocast_gives_torchs_dtype(backend, log):
 # -- double backward
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @on_each_backend
-def test_softmax_double_backward(backend, log):
+def test_softmax_double_backward(backend, log, compiled):
+    """Eager, and through torch.compile's custom ops (the backward op has a gradient of its own)."""
     x = torch.randn(5, 33, device=DEVICE, requires_grad=True)
     v, u = torch.randn(5, 33, device=DEVICE), torch.randn(5, 33, device=DEVICE)
     op, torch_op = (multisoft.log_softmax, torch.log_softmax) if log else (multisoft.softmax, torch.softmax)
-    (g,) = torch.autograd.grad((op(x, -1, backend=backend) * v).sum(), x, create_graph=True)
+
+    def ours(t):
+        return op(t, -1, backend=backend)
+
+    if compiled:
+        torch._dynamo.reset()
+        ours = torch.compile(ours, backend="eager", fullgraph=True)
+    (g,) = torch.autograd.grad((ours(x) * v).sum(), x, create_graph=True)
     (gg,) = torch.autograd.grad((g * u).sum(), x)
     x64 = x.detach().double().requires_grad_()
     (g64,) = torch.autograd.grad((torch_op(x64, -1) * v.double()).sum(), x64, create_graph=True)
