@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validate
-from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _denominator, _empty_rows,
+from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _denominator, _empty_rows, _folds_mean,
                              _gradient_coefficients, _scale, _stats_dtype, _target_terms, _TargetTerms, as_rows,
                              check_classes, check_weight, validate_arguments)
 from ._registry import get_backend, resolve_name
@@ -210,8 +210,10 @@ def _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, gr
 
 
 def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend, want_grad, grad_logits=None):
-    """(loss reduced, lse, the whole rows' (2, M) max and sum, grad_logits or None): pass 1, the gather, the
-    combine, and with ``want_grad`` pass 2 into ``grad_logits`` (a new buffer when None)."""
+    """(loss reduced, lse, the whole rows' (2, M) max and sum, grad_logits or None, the mean's denominator that the
+    backward must divide by or None): pass 1, the gather, the combine, and with ``want_grad`` pass 2 into
+    ``grad_logits`` (a new buffer when None), a mean's 1 / denominator folded in unless ``_folds_mean`` says
+    not (float16)."""
     dtype = _stats_dtype(rows_2d.dtype)
     local_weight = _local_weight(weight, layout)
     stats, local_target = _row_statistics(rows_2d, target, local_weight, layout, options, backend)
@@ -226,17 +228,20 @@ def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend
         denominator = _denominator(target, weight, options.ignore_index, layout.total, dtype)
         loss = loss_rows.sum() / denominator
     if not want_grad:
-        return loss, lse, row_max_sum, None
-    # the unsplit forward's grad_scale: a mean's 1 / denominator, else 1
-    grad_scale = denominator.reciprocal() if denominator is not None else torch.ones((), dtype=dtype,
-                                                                                     device=lse.device)
+        return loss, lse, row_max_sum, None, None
+    divisor = None if denominator is None or _folds_mean(rows_2d.dtype) else denominator
+    # the unsplit forward's grad_scale: a mean's 1 / denominator (where folded), else 1
+    if denominator is not None and divisor is None:
+        grad_scale = denominator.reciprocal()
+    else:
+        grad_scale = torch.ones((), dtype=dtype, device=lse.device)
     coefficients = _gradient_coefficients(terms, lse, grad_scale, layout.total, options.label_smoothing,
                                           options.lse_square_scale)
     if grad_logits is None:
         grad_logits = torch.empty_like(rows_2d)
     _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout, options,
               backend)
-    return loss, lse, row_max_sum, grad_logits
+    return loss, lse, row_max_sum, grad_logits, divisor
 
 
 def _lse_gradient(logits, grad_lse, row_max_sum, softcap):
@@ -307,8 +312,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, layout, options, backend, return_lse, inplace):
-        loss, lse, row_max_sum, grad_logits = _forward(logits, target, weight, layout, options, backend, True,
-                                                       grad_logits=logits if inplace else None)
+        loss, lse, row_max_sum, grad_logits, ctx.divisor = _forward(
+            logits, target, weight, layout, options, backend, True, grad_logits=logits if inplace else None)
         if inplace:
             # written through the backend, not autograd: any op that saved the logits' old values must raise
             torch.autograd.graph.increment_version(logits)
@@ -328,6 +333,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits, ctx.buffer = ctx.buffer, None
         if grad_logits is None:
             raise RuntimeError(_SECOND_BACKWARD)
+        if grad is not None and ctx.divisor is not None:
+            grad = grad / ctx.divisor
         grad_logits = None if grad is None else _scale(grad_logits, grad, ctx.backend)
         if grad_lse is not None:
             if ctx.inplace:
@@ -365,7 +372,7 @@ def cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothi
         loss, lse = _VocabParallelCrossEntropy.apply(rows_2d, flat_target, weight, layout, options, backend,
                                                      return_lse, inplace_backward)
     else:
-        loss, lse, _, _ = _forward(rows_2d, flat_target, weight, layout, options, backend, False)
+        loss, lse, _, _, _ = _forward(rows_2d, flat_target, weight, layout, options, backend, False)
     if reduction == "none" and logits.ndim != 2:
         loss = loss.reshape(target.shape)
     if not return_lse:

@@ -213,6 +213,24 @@ def _in_place(report, ranks, backend, device):
             assert_close(buffer.grad, 2.5 * ranks.part(expected), dtype, f"in place {dtype} {reduction}: backward")
 
 
+def _float16_under_a_loss_scale(report, ranks, backend, device):
+    """float16 mean: each rank's slice of the gradient holds S / N * (p - [j == t]) to float16's rounding under a
+    loss scale S = N, where p / N alone would round to 0 (as multisoft.cross_entropy without process_group)."""
+    rows, classes = 256, sum(ranks.widths)
+    generator = torch.Generator().manual_seed(51)
+    whole = torch.randn(rows, classes, generator=generator)
+    target = torch.randint(0, classes, (rows,), generator=generator)
+    whole[torch.arange(rows), target] += 10.0
+    whole, target = whole.half().to(device), target.to(device)
+    logits64 = whole.double().requires_grad_()
+    (expected,) = torch.autograd.grad(reference_cross_entropy(logits64, target) * rows, logits64)
+    part = ranks.part(whole).clone().requires_grad_()
+    (multisoft.cross_entropy(part, target, backend=backend, process_group=ranks.group) * rows).backward()
+    expected = ranks.part(expected)
+    ratio = ((part.grad.double() - expected).abs() / (2e-3 * expected.abs() + 2.0 ** -23)).max().item()
+    assert ratio <= 1.0, f"float16 under a loss scale: max error {ratio:.3g} x the bound"
+
+
 def _module(report, ranks, backend, device):
     spec = CASES["everything"]
     whole, target, weight = _inputs(spec, torch.float32, ranks.widths, device, 31)
@@ -384,8 +402,8 @@ def _worker(rank, world, rendezvous, plan):
         ranks = _Ranks(dist.group.WORLD, WIDTHS[world])
         _every_option(report, ranks, plan["backends"], plan["dtypes"], plan["cases"], device)
         for backend in plan["backends"] if plan["extras"] else ():
-            for check in (_three_dimensional, _targets_outside_the_classes, _in_place, _module, _dtensor,
-                          _argument_errors, _communication):
+            for check in (_three_dimensional, _targets_outside_the_classes, _in_place, _float16_under_a_loss_scale,
+                          _module, _dtensor, _argument_errors, _communication):
                 report(f"{backend} {check.__name__}", check, report, ranks, backend, device)
             if plan["device"] == "cuda":
                 stream = torch.cuda.Stream()
