@@ -114,15 +114,22 @@ def _folds_mean(dtype: torch.dtype) -> bool:
     return dtype != torch.float16
 
 
+def _backward_scale(denominator):
+    """What the backward multiplies the incoming gradient by where a mean's 1 / denominator was not folded into
+    the gradient: that, or 0 where the denominator is 0 (every row ignored: the kernels wrote 0, and torch's
+    gradient is 0). NaN weights' sums stay NaN."""
+    return torch.where(denominator != 0, denominator.reciprocal(), 0.0)
+
+
 def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend,
                     reduction, want_grad, grad_logits=None, separate=False, fold_mean=True):
-    """Runs the backend's forward; returns (loss reduced, lse, grad_logits or None, the mean's denominator that the
-    backward must divide by, or None).
+    """Runs the backend's forward; returns (loss reduced, lse, grad_logits or None, what the backward must multiply
+    the incoming gradient by (``_backward_scale``), or None).
 
     One (3, M) allocation holds the per-row losses, row weights and lse (each allocation costs host time), or
     with ``separate`` (a custom op's outputs must not alias) three. With ``want_grad`` the gradient is written
     into ``grad_logits`` (a new buffer when None) scaled by the reduction's grad_scale: for a mean 1 / its
-    denominator, unless ``fold_mean`` is False (then 1, and the denominator is returned)."""
+    denominator, unless ``fold_mean`` is False (then 1, and the backward's scale is returned)."""
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
     if target.is_floating_point():
         return _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse_square_scale, backend,
@@ -150,7 +157,7 @@ def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softc
         loss = loss_rows.sum()
     else:
         loss = torch.div(loss_rows.sum(), denominator)
-    unfolded = denominator if want_grad and reduction == "mean" and not fold_mean else None
+    unfolded = _backward_scale(denominator) if want_grad and reduction == "mean" and not fold_mean else None
     return loss, lse, grad_logits if want_grad else None, unfolded
 
 
@@ -176,7 +183,7 @@ def _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse
         loss = loss_rows.sum()
     else:
         loss = torch.div(loss_rows.sum(), rows)
-    return loss, lse, grad_logits, rows if want_grad and reduction == "mean" and not fold else None
+    return loss, lse, grad_logits, 1.0 / rows if want_grad and reduction == "mean" and not fold else None
 
 
 def _scale(grad_logits, grad, backend):
@@ -226,7 +233,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend,
                 reduction, return_lse, inplace):
-        loss, lse, grad_logits, ctx.divisor = _kernel_forward(
+        loss, lse, grad_logits, ctx.backward_scale = _kernel_forward(
             logits, target, weight, ignore_index, label_smoothing, softcap, lse_square_scale, backend, reduction,
             True, grad_logits=logits if inplace else None, fold_mean=_folds_mean(logits.dtype))
         if inplace:
@@ -253,7 +260,7 @@ class _CrossEntropy(torch.autograd.Function):
         if grad is None:
             grad_logits = None
         else:
-            _scale(grad_logits, grad if ctx.divisor is None else grad / ctx.divisor, ctx.backend)
+            _scale(grad_logits, grad if ctx.backward_scale is None else grad * ctx.backward_scale, ctx.backend)
         if grad_lse is not None:
             if ctx.inplace:
                 raise RuntimeError(_INPLACE_LSE)

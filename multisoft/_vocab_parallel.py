@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from . import _validate
-from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _denominator, _empty_rows, _folds_mean,
-                             _gradient_coefficients, _scale, _stats_dtype, _target_terms, _TargetTerms, as_rows,
-                             check_classes, check_weight, validate_arguments)
+from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _backward_scale, _denominator,
+                             _empty_rows, _folds_mean, _gradient_coefficients, _scale, _stats_dtype, _target_terms,
+                             _TargetTerms, as_rows, check_classes, check_weight, validate_arguments)
 from ._registry import get_backend, resolve_name
 
 _STATS_PER_ROW = 4   # m_r, S_r, a_r, u_t (or 0): what one rank sends of a row
@@ -210,8 +210,8 @@ def _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, gr
 
 
 def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend, want_grad, grad_logits=None):
-    """(loss reduced, lse, the whole rows' (2, M) max and sum, grad_logits or None, the mean's denominator that the
-    backward must divide by or None): pass 1, the gather, the combine, and with ``want_grad`` pass 2 into
+    """(loss reduced, lse, the whole rows' (2, M) max and sum, grad_logits or None, what the backward must multiply
+    the incoming gradient by or None): pass 1, the gather, the combine, and with ``want_grad`` pass 2 into
     ``grad_logits`` (a new buffer when None), a mean's 1 / denominator folded in unless ``_folds_mean`` says
     not (float16)."""
     dtype = _stats_dtype(rows_2d.dtype)
@@ -229,9 +229,9 @@ def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend
         loss = loss_rows.sum() / denominator
     if not want_grad:
         return loss, lse, row_max_sum, None, None
-    divisor = None if denominator is None or _folds_mean(rows_2d.dtype) else denominator
+    backward_scale = None if denominator is None or _folds_mean(rows_2d.dtype) else _backward_scale(denominator)
     # the unsplit forward's grad_scale: a mean's 1 / denominator (where folded), else 1
-    if denominator is not None and divisor is None:
+    if denominator is not None and backward_scale is None:
         grad_scale = denominator.reciprocal()
     else:
         grad_scale = torch.ones((), dtype=dtype, device=lse.device)
@@ -241,7 +241,7 @@ def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend
         grad_logits = torch.empty_like(rows_2d)
     _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout, options,
               backend)
-    return loss, lse, row_max_sum, grad_logits, divisor
+    return loss, lse, row_max_sum, grad_logits, backward_scale
 
 
 def _lse_gradient(logits, grad_lse, row_max_sum, softcap):
@@ -312,7 +312,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, layout, options, backend, return_lse, inplace):
-        loss, lse, row_max_sum, grad_logits, ctx.divisor = _forward(
+        loss, lse, row_max_sum, grad_logits, ctx.backward_scale = _forward(
             logits, target, weight, layout, options, backend, True, grad_logits=logits if inplace else None)
         if inplace:
             # written through the backend, not autograd: any op that saved the logits' old values must raise
@@ -333,8 +333,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits, ctx.buffer = ctx.buffer, None
         if grad_logits is None:
             raise RuntimeError(_SECOND_BACKWARD)
-        if grad is not None and ctx.divisor is not None:
-            grad = grad / ctx.divisor
+        if grad is not None and ctx.backward_scale is not None:
+            grad = grad * ctx.backward_scale
         grad_logits = None if grad is None else _scale(grad_logits, grad, ctx.backend)
         if grad_lse is not None:
             if ctx.inplace:
