@@ -24,6 +24,7 @@ its replicated input is then summed over the ranks by one all-reduce.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -58,7 +59,9 @@ class _Options(NamedTuple):
     lse_square_scale: float
 
 
-_slices: dict[tuple, _Slice] = {}
+# Per process group, weakly (a cache must not keep a group, nor its communication threads, alive after
+# dist.destroy_process_group()): per local width, (ranks, start, total, widest) of its _Slice.
+_slices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _all_gather(output: torch.Tensor, local: torch.Tensor, group) -> None:
@@ -71,19 +74,20 @@ def _all_gather(output: torch.Tensor, local: torch.Tensor, group) -> None:
 def _slice_of(group, width: int, device: torch.device) -> _Slice:
     """This rank's slice of the classes: the first time a (group, local width) pair is seen every rank's width is
     gathered (one collective and one host synchronisation), then cached."""
-    key = (group, width)
-    cached = _slices.get(key)
+    of_group = _slices.setdefault(group, {})
+    cached = of_group.get(width)
     if cached is None:
         ranks = dist.get_world_size(group)
         widths = torch.empty(ranks, dtype=torch.int64, device=device)
         _all_gather(widths, torch.tensor([width], dtype=torch.int64, device=device), group)
         widths = widths.tolist()
         rank = dist.get_rank(group)
-        cached = _Slice(group, ranks, sum(widths[:rank]), width, sum(widths), max(widths))
-        if len(_slices) >= _CACHED_SLICES_LIMIT:
-            _slices.clear()
-        _slices[key] = cached
-    return cached
+        cached = (ranks, sum(widths[:rank]), sum(widths), max(widths))
+        if len(of_group) >= _CACHED_SLICES_LIMIT:
+            of_group.clear()
+        of_group[width] = cached
+    ranks, start, total, widest = cached
+    return _Slice(group, ranks, start, width, total, widest)
 
 
 def _check_group(process_group) -> None:
