@@ -27,7 +27,8 @@ import multisoft
 from harness import assert_close, backends_under_test, simulated
 from multisoft._registry import get_backend
 from multisoft.check import reference_cross_entropy
-from test_vocab_parallel import _counting_collectives, _incoming, _join, _no_host_synchronisation, _raises, _Report
+from test_vocab_parallel import (_counting_collectives, _exit_at_once, _incoming, _join, _no_host_synchronisation,
+                                 _raises, _Report)
 
 HIDDEN = 8
 WIDTHS = {2: (5, 8), 3: (4, 7, 6)}     # uneven slices of 13 and 17 classes
@@ -279,6 +280,7 @@ def _worker(rank, world, rendezvous, plan):
         report.raise_failures()
     finally:
         dist.destroy_process_group()
+    _exit_at_once()
 
 
 def _spawn(tmp_path, world, **plan):

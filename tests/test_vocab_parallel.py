@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import os
+import sys
 import traceback
 import weakref
 
@@ -403,6 +405,16 @@ def _join(rank, world, rendezvous, plan):
     return device
 
 
+def _exit_at_once():
+    """Ends a worker whose checks passed without the interpreter's finalization. A DTensor's collectives leave
+    torch holding the default group after ``dist.destroy_process_group()`` (torch 2.13, without multisoft too),
+    so its gloo threads run into the finalization, where one dropping a finished collective's tensors aborts the
+    process ("terminate called without an active exception"). A failed check raises before this."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(rank, world, rendezvous, plan):
     device = _join(rank, world, rendezvous, plan)
     try:
@@ -425,6 +437,7 @@ def _worker(rank, world, rendezvous, plan):
         report.raise_failures()
     finally:
         dist.destroy_process_group()
+    _exit_at_once()
 
 
 def _spawn(tmp_path, world, **plan):
