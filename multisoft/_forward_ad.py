@@ -22,9 +22,10 @@ def has_tangent(*tensors) -> bool:
 
 def refuse_tangents(op: str, **tensors) -> None:
     """Raises NotImplementedError, as torch does for an op without a forward-AD formula, naming ``op`` and the
-    first argument of ``tensors`` that carries a tangent."""
-    for name, tensor in tensors.items():
-        if has_tangent(tensor):
-            raise NotImplementedError(
-                f"multisoft.{op} does not support forward-mode AD: {name} carries a tangent "
-                f"(torch.autograd.forward_ad); compute its forward derivative with torch's own op")
+    first argument of ``tensors`` that carries a tangent. Outside a ``dual_level``, one attribute read."""
+    if not has_tangent(*tensors.values()):
+        return
+    name = next(name for name, tensor in tensors.items() if has_tangent(tensor))
+    raise NotImplementedError(
+        f"multisoft.{op} does not support forward-mode AD: {name} carries a tangent "
+        f"(torch.autograd.forward_ad); compute its forward derivative with torch's own op")

@@ -233,12 +233,11 @@ def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend
         loss = loss_rows.sum() / denominator
     if not want_grad:
         return loss, lse, row_max_sum, None, None
-    backward_scale = None if denominator is None or _folds_mean(rows_2d.dtype) else _backward_scale(denominator)
-    # the unsplit forward's grad_scale: a mean's 1 / denominator (where folded), else 1
-    if denominator is not None and backward_scale is None:
-        grad_scale = denominator.reciprocal()
-    else:
-        grad_scale = torch.ones((), dtype=dtype, device=lse.device)
+    # the unsplit forward's grad_scale: a mean's 1 / denominator where folded in, else 1 (and for an unfolded
+    # mean the backward's scale)
+    folded = denominator is not None and _folds_mean(rows_2d.dtype)
+    backward_scale = _backward_scale(denominator) if denominator is not None and not folded else None
+    grad_scale = denominator.reciprocal() if folded else torch.ones((), dtype=dtype, device=lse.device)
     coefficients = _gradient_coefficients(terms, lse, grad_scale, layout.total, options.label_smoothing,
                                           options.lse_square_scale)
     if grad_logits is None:

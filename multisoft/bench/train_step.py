@@ -12,9 +12,9 @@ one function; the optimizer's step is eager in every mode, so only the loss diff
 
 Every variant starts from the same weights (one seed) and takes the same steps on the same batches, so their final
 losses differ only as float32's rounding grows over the steps: AdamW divides each gradient by its running size, so
-rounding in a near-zero gradient becomes a whole step (on an H100, 130 steps took torch's own eager and compiled
-losses 1e-2 apart). A variant that fails (an exception, out of memory, a compiler error) gets the reason in its
-record and the run goes on.
+rounding in a near-zero gradient becomes a whole step (H100, torch 2.11, 2026-12-05: 130 steps took torch's own
+eager and compiled losses 1e-2 apart). A variant that fails (an exception, out of memory, a compiler error) gets
+the reason in its record and the run goes on.
 """
 
 from __future__ import annotations
