@@ -257,7 +257,7 @@ def test_nn_modules_have_docstrings_and_torchs_positional_order():
     torch.testing.assert_close(ours(logits, probabilities), theirs(logits, probabilities))
 
 
-# -- what a swap once got silently wrong
+# -- corners where a swap for torch could differ without a word
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 3, 4), (2, 3, 4, 5)], ids=str)
@@ -286,8 +286,8 @@ def test_an_empty_softmax_is_part_of_autograd_as_torchs(backend):
 
 @on_each_backend
 def test_int32_targets_with_an_ignore_index_beyond_int32(backend):
-    """An ignore_index no int32 target can equal ignores nothing (compared in int32 it wrapped around: 2**32 + 1
-    ignored class 1); beyond int64 it is refused."""
+    """An ignore_index no int32 target can equal ignores nothing (compared in int32 it would wrap: 2**32 + 1 would
+    ignore class 1); beyond int64 it is refused."""
     logits = torch.randn(3, 5, device=DEVICE, requires_grad=True)
     target = torch.tensor([0, 1, 2], device=DEVICE)
     for ignore_index in (2**32 + 1, 2**32 - 1, -2**40):
@@ -331,7 +331,7 @@ def test_a_weight_that_requires_grad_gets_it_or_raises(backend):
 
 @on_each_backend
 def test_a_mean_over_target_weights_that_sum_to_zero_is_nan(backend):
-    """torch's weighted mean is 0 / 0 there, even where label smoothing adds a positive sum (which gave +inf)."""
+    """torch's weighted mean is 0 / 0 there, even where label smoothing adds a positive sum (over 0: +inf)."""
     logits = torch.randn(3, 5, device=DEVICE, requires_grad=True)
     target = torch.zeros(3, dtype=torch.long, device=DEVICE)
     weight = torch.tensor([0.0, 1, 1, 1, 1], device=DEVICE)
