@@ -530,7 +530,7 @@ def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, red
         input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
         lse_square_scale, softcap, return_lse, chunk_size, process_group)
     backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend))
-    input2d = input.reshape(-1, input.shape[-1])
+    input2d = input.reshape(target.numel(), input.shape[-1])
     flat_target = index_targets(target, ignore_index)
     rows = input2d.shape[0]
     if rows == 0:

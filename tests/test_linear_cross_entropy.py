@@ -305,6 +305,29 @@ def test_no_rows():
     assert multisoft.linear_cross_entropy(x, linear_weight, target, reduction="none", backend="torch").shape == (0,)
 
 
+@each_reduction
+@on_each_backend
+def test_hidden_size_zero(backend, reduction):
+    """Hidden states of size 0: every logit is the bias (0 without one), as with F.linear, so each row's loss is
+    log(V) - bias_t + logsumexp(bias) - log(V); input and linear_weight get empty gradients, the bias its own."""
+    x = torch.randn(6, 0, device=DEVICE, requires_grad=True)
+    linear_weight = torch.randn(CLASSES, 0, device=DEVICE, requires_grad=True)
+    linear_bias = torch.randn(CLASSES, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, CLASSES, (6,), device=DEVICE)
+    for bias in (None, linear_bias):
+        loss = multisoft.linear_cross_entropy(x, linear_weight, target, linear_bias=bias, reduction=reduction,
+                                              backend=backend, chunk_size=4)
+        leaves, _, expected, _ = _reference(x, linear_weight, bias, target, _options({}, None, reduction))
+        assert_close(loss, expected, torch.float32, f"loss (bias: {bias is not None})")
+        incoming = torch.rand_like(expected) + 0.5
+        got = torch.autograd.grad(loss, [t for t in (x, linear_weight, bias) if t is not None],
+                                  incoming.to(loss.dtype))
+        want = torch.autograd.grad(expected, [t for t in leaves if t is not None], incoming)
+        assert got[0].shape == x.shape and got[1].shape == linear_weight.shape
+        if bias is not None:
+            assert_close(got[2], want[2], torch.float32, "gradient of linear_bias")
+
+
 def test_default_chunk_rows():
     """An eighth of the rows or CHUNK_BYTES of logits, whichever is fewer rows, never below MIN_CHUNK_ROWS
     (nor above the rows)."""
