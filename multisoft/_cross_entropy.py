@@ -82,6 +82,17 @@ class _TargetTerms(NamedTuple):
     weight_sum: object      # sum of the class weights: 0-d, or the float number of classes without weights
 
 
+def check_targets_in_bounds(target, classes, ignore_index) -> None:
+    """As torch: ``IndexError`` for a class-index target outside [0, classes) that is not ``ignore_index``, where
+    the targets are on the CPU (reading them there costs no synchronisation). On a GPU the check would make the
+    host wait for the device: such a row's loss and gradient are NaN instead, read in bounds."""
+    if target.device.type != "cpu":
+        return
+    out_of_bounds = ((target < 0) | (target >= classes)) & (target != ignore_index)
+    if out_of_bounds.any():
+        raise IndexError(f"Target {int(target[out_of_bounds][0])} is out of bounds.")
+
+
 def _target_terms(target, weight, classes, ignore_index, label_smoothing) -> _TargetTerms:
     """The rows' _TargetTerms; an invalid target reads a weight in bounds (its row is NaN anyway)."""
     keep = 1.0 - label_smoothing
@@ -134,6 +145,7 @@ def _kernel_forward(logits, target, weight, ignore_index, label_smoothing, softc
     if target.is_floating_point():
         return _probabilities_forward(logits, target, weight, label_smoothing, softcap, lse_square_scale, backend,
                                       reduction, want_grad, separate, fold_mean)
+    check_targets_in_bounds(target, logits.shape[1], ignore_index)
     if separate:
         loss_rows, row_weight, lse = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(3))
     else:
@@ -335,6 +347,7 @@ def cross_entropy_rows_op(logits: torch.Tensor, target: torch.Tensor, weight: Op
                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's loss, lse and (3, M) statistics (max m of the capped logits u, sum S of exp(u - m), and a third
     row the backward does not use): the backend's forward, without a gradient."""
+    check_targets_in_bounds(target, logits.shape[1], ignore_index)
     rows, dtype = logits.shape[0], _stats_dtype(logits.dtype)
     loss_rows, lse, row_weight = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(3))
     row_stats = torch.empty((3, rows), dtype=dtype, device=logits.device)
@@ -521,7 +534,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     contiguous (N, C) or (C,) tensor are gathered into a contiguous copy first,
     which then holds the gradient. Eager mode and class-index targets only: under
     ``torch.compile`` the gradient gets its own buffer. A returned lse cannot be
-    differentiated with it (the logits are gone).
+    differentiated with it (the logits are gone). Logits that are a leaf that
+    requires grad (an ``nn.Parameter``) or a view of one raise ``ValueError``, as
+    torch refuses an in-place op there: the optimizer would step from the gradient.
+
+    A class-index target outside [0, C) that is not ``ignore_index`` raises
+    torch's ``IndexError`` where the targets are on the CPU; on a GPU (where
+    checking would synchronise) its row's loss and gradient are NaN.
 
     ``process_group`` (a ``torch.distributed`` process group of P ranks):
     vocabulary-parallel cross-entropy. ``logits`` is this rank's contiguous
@@ -540,6 +559,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     ``torch.compile`` (it runs eagerly, a graph break; fullgraph=True fails).
     """
     refuse_tangents("cross_entropy", logits=logits, target=target, weight=weight)
+    if inplace_backward is True:
+        refuse_inplace_on_a_leaf(logits)
     if process_group is not None or _is_dtensor(logits):
         from . import _vocab_parallel
 
@@ -587,6 +608,21 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     if not return_lse:
         return loss
     return loss, lse.reshape(row_shape) if logits.ndim != 2 else lse
+
+
+def refuse_inplace_on_a_leaf(logits) -> None:
+    """``inplace_backward=True`` overwrites the logits with their gradient: refused, as torch refuses an in-place
+    op, where autograd records the call and the logits are a leaf that requires grad (an ``nn.Parameter``, whose
+    values the optimizer would then step from) or a view of one. A copy made for non-contiguous logits would
+    spare them, but the rule does not depend on the layout."""
+    if not (isinstance(logits, torch.Tensor) and logits.requires_grad and torch.is_grad_enabled()):
+        return
+    base = logits if logits._base is None else logits._base
+    if base.is_leaf and base.requires_grad:
+        what = "a leaf tensor that requires grad" if base is logits else "a view of a leaf tensor that requires grad"
+        raise ValueError(f"inplace_backward=True would overwrite the logits, {what} (such as an nn.Parameter), "
+                         f"with their gradient, as torch refuses an in-place op there: pass logits computed by "
+                         f"the model (not a leaf), or inplace_backward=False")
 
 
 def as_rows(logits, target, ignore_index):

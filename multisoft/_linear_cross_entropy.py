@@ -55,8 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _validate
-from ._cross_entropy import (_broadcast_value, _denominator, _is_dtensor, _lse_gradient, _stats_dtype, check_weight,
-                             cross_entropy, index_targets, validate_arguments)
+from ._cross_entropy import (_broadcast_value, _denominator, _is_dtensor, _lse_gradient, _stats_dtype,
+                             check_targets_in_bounds, check_weight, cross_entropy, index_targets, validate_arguments)
 from ._forward_ad import refuse_tangents
 from ._registry import get_backend, resolve_name
 
@@ -107,6 +107,7 @@ class _WholeChunks:
 
     def __call__(self, logits, rows: slice) -> None:
         options, grad_scale = self.options, self.grad_scale
+        check_targets_in_bounds(self.target[rows], logits.shape[1], options.ignore_index)
         lse_part = _lse_gradient(logits, self.grad_lse[rows], options.softcap) if self.grad_lse is not None else None
         if self.stats is not None:
             loss_rows, lse, row_weight = self.stats

@@ -13,8 +13,10 @@ slice. Every rank computes the loss of the whole rows, and its slice of their gr
    multiplies it by the incoming gradient, as for the unsplit call. Nothing is communicated there, and besides
    the gradient only O(M) state is kept (the logits too when a returned lse is differentiated).
 
-The ranks' widths place this rank's columns among the V classes; they are learned by one all-gather (the only
-host synchronisation) the first time a (group, local width) pair is seen, and cached.
+The ranks' widths place this rank's columns among the V classes; they are learned the first time a (group, local
+width) pair is seen (the only host synchronisation) and cached. Every call gathers each rank's width and the widths
+it has cached for its own (one small all-gather before the first pass), so that a slicing changed on some ranks but
+not on others raises on every rank instead of leaving them in collectives that do not match (``_slice_of``).
 
 ``multisoft.linear_cross_entropy`` with ``process_group`` runs the same steps on each chunk of its rows
 (``LinearChunks``): pass 1, the gather and the combine, then pass 2 in place of the chunk's logits with a
@@ -33,7 +35,8 @@ import torch.distributed as dist
 from . import _validate
 from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _backward_scale, _denominator,
                              _empty_rows, _folds_mean, _gradient_coefficients, _scale, _stats_dtype, _target_terms,
-                             _TargetTerms, as_rows, check_classes, check_weight, validate_arguments)
+                             _TargetTerms, as_rows, check_classes, check_targets_in_bounds, check_weight,
+                             validate_arguments)
 from ._registry import get_backend, resolve_name
 
 _STATS_PER_ROW = 4   # m_r, S_r, a_r, u_t (or 0): what one rank sends of a row
@@ -60,8 +63,15 @@ class _Options(NamedTuple):
 
 
 # Per process group, weakly (a cache must not keep a group, nor its communication threads, alive after
-# dist.destroy_process_group()): per local width, (ranks, start, total, widest) of its _Slice.
+# dist.destroy_process_group()): per local width, every rank's width (a tuple in group-rank order) and, per device,
+# what this rank sends of it every call (made once: a copy to a GPU each call would synchronise with the host).
 _slices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NOT_CACHED = -1
+
+
+class _CachedWidths(NamedTuple):
+    widths: tuple
+    sent: dict
 
 
 def _all_gather(output: torch.Tensor, local: torch.Tensor, group) -> None:
@@ -72,22 +82,53 @@ def _all_gather(output: torch.Tensor, local: torch.Tensor, group) -> None:
 
 
 def _slice_of(group, width: int, device: torch.device) -> _Slice:
-    """This rank's slice of the classes: the first time a (group, local width) pair is seen every rank's width is
-    gathered (one collective and one host synchronisation), then cached."""
+    """This rank's slice of the classes. Every call, every rank sends its width and the widths it has cached for
+    that width (or none) in one all-gather of P + 1 integers. A rank that had none reads the gathered widths on
+    the host (its one host synchronisation for the pair) and caches them. Then every rank checks the same rule
+    on the same gathered values: each rank that used cached widths had the widths every rank now has. Where a
+    slicing changed on some ranks but not others (a width cached on one rank beside a new width on another), it
+    fails on every rank, before any other collective: a ValueError where the values are on the host (gloo, or a
+    rank that read them), else a device-side assertion (``torch._assert_async``: checking on the host would
+    synchronise every call)."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     of_group = _slices.setdefault(group, {})
-    cached = of_group.get(width)
-    if cached is None:
-        ranks = dist.get_world_size(group)
-        widths = torch.empty(ranks, dtype=torch.int64, device=device)
-        _all_gather(widths, torch.tensor([width], dtype=torch.int64, device=device), group)
-        widths = widths.tolist()
-        rank = dist.get_rank(group)
-        cached = (ranks, sum(widths[:rank]), sum(widths), max(widths))
-        if len(of_group) >= _CACHED_SLICES_LIMIT:
-            of_group.clear()
-        of_group[width] = cached
-    ranks, start, total, widest = cached
-    return _Slice(group, ranks, start, width, total, widest)
+    entry = of_group.get(width)
+    cached = entry.widths if entry is not None else None
+    sent = entry.sent.get(device) if entry is not None else None
+    if sent is None:
+        sent = torch.tensor([width, *(cached if cached is not None else (_NOT_CACHED,) * ranks)], device=device)
+        if entry is not None:
+            entry.sent[device] = sent
+    gathered = torch.empty((ranks, ranks + 1), dtype=torch.int64, device=device)
+    _all_gather(gathered.view(-1), sent, group)
+    if cached is None or device.type == "cpu":
+        sent_by_rank = gathered.tolist()
+        widths = tuple(row[0] for row in sent_by_rank)
+        stale = [(r, tuple(row[1:])) for r, row in enumerate(sent_by_rank)
+                 if row[1] != _NOT_CACHED and tuple(row[1:]) != widths]
+        if stale:
+            raise ValueError(_changed_slicing(widths, stale))
+        if cached is None:
+            if len(of_group) >= _CACHED_SLICES_LIMIT:
+                of_group.clear()
+            of_group[width] = _CachedWidths(widths, {device: torch.tensor([width, *widths], device=device)})
+            cached = widths
+    else:
+        widths_now, cached_by_rank = gathered[:, 0], gathered[:, 1:]
+        agree = (cached_by_rank == widths_now).all(1) | (cached_by_rank[:, 0] == _NOT_CACHED)
+        torch._assert_async(agree.all(), "multisoft: " + _changed_slicing(None, None))
+    return _Slice(group, ranks, sum(cached[:rank]), width, sum(cached), max(cached))
+
+
+def _changed_slicing(widths, stale) -> str:
+    """The error of a slicing that changed on some ranks only: ``stale`` lists (rank, the widths it had cached)."""
+    where = ""
+    if stale:
+        where = (f": the ranks' widths are now {list(widths)}, but "
+                 + "; ".join(f"rank {r} had {list(had)}" for r, had in stale))
+    return ("process_group's slicing of the classes changed on some ranks and not on others since an earlier call"
+            f"{where}. Each rank's width must stay what it was for the group (or change on every rank at once); "
+            "for another slicing (another output layer), use another process group over the same ranks")
 
 
 def _check_group(process_group) -> None:
@@ -218,6 +259,7 @@ def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend
     the incoming gradient by or None): pass 1, the gather, the combine, and with ``want_grad`` pass 2 into
     ``grad_logits`` (a new buffer when None), a mean's 1 / denominator folded in unless ``_folds_mean`` says
     not (float16)."""
+    check_targets_in_bounds(target, layout.total, options.ignore_index)  # every rank alike, before the gather
     dtype = _stats_dtype(rows_2d.dtype)
     local_weight = _local_weight(weight, layout)
     stats, local_target = _row_statistics(rows_2d, target, local_weight, layout, options, backend)
@@ -280,6 +322,7 @@ class LinearChunks:
 
     def __call__(self, logits, rows: slice) -> None:
         target, layout, options = self.target[rows], self.layout, self.options
+        check_targets_in_bounds(target, layout.total, options.ignore_index)  # every rank alike, before the gather
         terms = _target_terms(target, self.weight, layout.total, options.ignore_index, options.label_smoothing)
         if self.loss_rows is not None:
             stats, local_target = _row_statistics(logits, target, self.local_weight, layout, options, self.backend)

@@ -59,3 +59,11 @@ def float16_gradient_error_ratio(actual: torch.Tensor, expected: torch.Tensor, l
     lse_rounding = 2.0 ** -24 * logits.detach().double().abs().amax(-1, keepdim=True)
     bound = 2e-3 * expected.abs() + 2.0 ** -23 + lse_rounding
     return ((actual.double() - expected).abs() / bound).max().item()
+
+
+def activation(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(leaf, logits): a leaf that requires grad holding ``values``, and a copy of it that is an activation, as a
+    model's logits are (``inplace_backward=True`` refuses a leaf that requires grad, as torch refuses an in-place
+    op there). A gradient written into the logits reaches ``leaf.grad`` through clone's backward without a copy."""
+    leaf = values.detach().clone().requires_grad_(True)
+    return leaf, leaf.clone()

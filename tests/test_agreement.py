@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, ON_GPU, assert_close, backends_under_test, simulated
+from harness import DEVICE, ON_GPU, activation, assert_close, backends_under_test, simulated
 from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
                              reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
 
@@ -171,7 +172,7 @@ def test_cross_entropy_inplace_backward(backend, dtype, reduction):
     expected_logits = logits.detach().double().requires_grad_()
     expected = reference_cross_entropy(expected_logits, target, **kwargs)
     expected.sum().backward()
-    buffer = logits.detach().clone().requires_grad_()
+    leaf, buffer = activation(logits)
     version = buffer._version
     loss = multisoft.cross_entropy(buffer, target, backend=backend, inplace_backward=True, **kwargs)
     assert_close(loss, expected, dtype, "loss")
@@ -181,17 +182,18 @@ def test_cross_entropy_inplace_backward(backend, dtype, reduction):
         written = written * (weight[target.clamp(min=0)] * (target != -100)).sum().double()
     assert_close(buffer.detach(), written, dtype, "the gradient the forward wrote into the logits")
     loss.sum().backward()
-    assert_close(buffer.grad, expected_logits.grad, dtype, "gradient")
-    assert buffer.grad.data_ptr() == buffer.data_ptr(), "the gradient must live in the logits buffer"
+    assert_close(leaf.grad, expected_logits.grad, dtype, "gradient")
+    assert leaf.grad.data_ptr() == buffer.data_ptr(), "the gradient must live in the logits buffer"
     # a non-unit incoming gradient scales the gradient
-    buffer = logits.detach().clone().requires_grad_()
+    leaf, buffer = activation(logits)
     (3.0 * multisoft.cross_entropy(buffer, target, backend=backend, inplace_backward=True, **kwargs)).sum().backward()
-    assert_close(buffer.grad, 3.0 * expected_logits.grad, dtype, "gradient x3")
+    assert_close(leaf.grad, 3.0 * expected_logits.grad, dtype, "gradient x3")
 
 
 @on_each_backend
-def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend):
-    """Targets outside [0, C) give their row a NaN loss, read in bounds; the other rows are right."""
+def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend, targets_unchecked_on_the_cpu):
+    """Targets outside [0, C) give their row a NaN loss, read in bounds; the other rows are right (on the CPU,
+    beneath the front's IndexError)."""
     classes = 1000
     logits = torch.randn(6, classes, device=DEVICE, requires_grad=True)
     target = torch.tensor([0, classes, -1, 10**9, -(10**9), 5], device=DEVICE)
@@ -203,6 +205,28 @@ def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend):
     valid = torch.tensor([0, 5])
     expected = reference_cross_entropy(logits[valid].detach(), target[valid], reduction="none")
     assert_close(loss[valid], expected, torch.float32, "valid rows")
+
+
+@pytest.mark.skipif(ON_GPU, reason="targets on the CPU only: on a GPU checking them would synchronise")
+@on_each_backend
+def test_cross_entropy_targets_outside_the_classes_on_the_cpu_raise_as_torchs(backend):
+    """On the CPU a class-index target outside [0, C) that is not ignore_index raises torch's IndexError, before
+    any kernel runs, for cross_entropy, linear_cross_entropy and the nn module, whatever the reduction; one equal
+    to ignore_index does not."""
+    logits = torch.randn(3, 5, requires_grad=True)
+    for bad in (5, -1, 10**9):
+        target = torch.tensor([0, bad, -100])
+        with pytest.raises(IndexError) as torchs:
+            F.cross_entropy(logits, target)
+        for reduction in ("mean", "none"):
+            with pytest.raises(IndexError, match=f"^{torchs.value}$"):
+                multisoft.cross_entropy(logits, target, reduction=reduction, backend=backend)
+            with pytest.raises(IndexError, match=f"^{torchs.value}$"):
+                multisoft.linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), target, reduction=reduction,
+                                               backend=backend)
+        with pytest.raises(IndexError, match=f"^{torchs.value}$"):
+            multisoft.nn.CrossEntropyLoss(backend=backend)(logits, target.int())
+    assert multisoft.cross_entropy(logits, torch.tensor([0, 7, 1]), ignore_index=7, backend=backend).isfinite()
 
 
 # -- a NaN anywhere in a row

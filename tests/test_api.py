@@ -303,18 +303,19 @@ def test_cross_entropy_inplace_backward_writes_the_gradient_in_the_forward():
     gradient into them and the backward scales it there by the incoming gradient."""
     logits = torch.randn(6, 9, dtype=torch.float64)
     target = torch.randint(0, 9, (6,))
-    buffer = logits.clone()
+    leaf = logits.clone().requires_grad_()
+    buffer = leaf.clone()  # an activation, as a model's logits are
     with torch.no_grad():
-        loss = multisoft.cross_entropy(buffer.requires_grad_(), target, backend="torch", inplace_backward=True)
+        loss = multisoft.cross_entropy(leaf, target, backend="torch", inplace_backward=True)
     torch.testing.assert_close(loss, F.cross_entropy(logits, target))
-    assert torch.equal(buffer.detach(), logits)
+    assert torch.equal(leaf.detach(), logits)
     expected_logits = logits.clone().requires_grad_()
     F.cross_entropy(expected_logits, target, reduction="sum").backward()
     loss = multisoft.cross_entropy(buffer, target, reduction="sum", backend="torch", inplace_backward=True)
     torch.testing.assert_close(buffer.detach(), expected_logits.grad)
     (2.5 * loss).backward()
-    torch.testing.assert_close(buffer.grad, 2.5 * expected_logits.grad)
-    assert buffer.grad.data_ptr() == buffer.data_ptr() and torch.equal(buffer.detach(), buffer.grad)
+    torch.testing.assert_close(leaf.grad, 2.5 * expected_logits.grad)
+    assert leaf.grad.data_ptr() == buffer.data_ptr() and torch.equal(buffer.detach(), leaf.grad)
 
 
 def test_all_ignored_mean_is_nan_like_torch():

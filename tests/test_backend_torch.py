@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import multisoft
 import multisoft_torch
-from harness import DEVICE, ON_GPU, assert_close
+from harness import DEVICE, ON_GPU, activation, assert_close
 from multisoft import _registry
 from multisoft._blocksparse import lookup_table
 from multisoft.check import DTYPES, error_ratio
@@ -119,7 +119,7 @@ def test_reference_by_name_is_float64_rounded_once():
     assert torch.equal(loss, expected.float())
 
 
-def test_reference_gives_nan_for_invalid_targets_and_float64_elsewhere():
+def test_reference_gives_nan_for_invalid_targets_and_float64_elsewhere(targets_unchecked_on_the_cpu):
     """A target outside [0, C) that is not ignore_index gives its row a NaN loss and a NaN gradient row (the backend
     contract: never an exception, which would need the targets read on the host); every other row is float64
     torch's result rounded once, and so is its gradient (the losses' sum: the forward's gradient, scaled by 1)."""
@@ -220,7 +220,7 @@ def test_cross_entropy_across_chunks(small_chunks, weighted, dtype, inplace):
     tolerance = dtype if dtype != torch.float64 else torch.float32
     logits, target, weight = _ce_case(dtype)
     kwargs = dict(weight=weight if weighted else None, label_smoothing=0.1, reduction="none")
-    buffer = logits.clone().requires_grad_()
+    leaf, buffer = activation(logits)
     loss = multisoft.cross_entropy(buffer, target, backend="torch", inplace_backward=inplace, **kwargs)
     logits64 = logits.double().requires_grad_()
     expected = F.cross_entropy(logits64, target, **{**kwargs, "weight": weight.double() if weighted else None})
@@ -233,8 +233,8 @@ def test_cross_entropy_across_chunks(small_chunks, weighted, dtype, inplace):
     grad_out = torch.rand(logits.shape[0], device=DEVICE) + 0.5
     loss.backward(grad_out.to(dtype))
     expected.backward(grad_out.to(dtype).double())
-    assert_close(buffer.grad, logits64.grad, tolerance, "gradient")
-    assert (buffer.grad.data_ptr() == buffer.data_ptr()) == inplace
+    assert_close(leaf.grad, logits64.grad, tolerance, "gradient")
+    assert (leaf.grad.data_ptr() == buffer.data_ptr()) == inplace
 
 
 @pytest.mark.parametrize("offset", [1e4, -3000.0, 3e5], ids=["1e4", "-3000", "3e5"])
@@ -277,7 +277,7 @@ def test_cross_entropy_allocates_nothing_of_the_logits_size_but_the_gradient(sma
     few float32 chunks at most. The backward only scales that gradient where it lies: it holds no more than a few
     chunks' worth either (in fact nothing of the logits' size)."""
     logits, target, weight = _ce_case(dtype, rows=64, classes=4096)
-    buffer = logits.clone().requires_grad_()
+    leaf, buffer = activation(logits)
     losses = []
     forward_peak = _peak_bytes_allocated(lambda: losses.append(multisoft.cross_entropy(
         buffer, target, weight=weight, label_smoothing=0.1, backend="torch", inplace_backward=inplace)))
@@ -287,11 +287,12 @@ def test_cross_entropy_allocates_nothing_of_the_logits_size_but_the_gradient(sma
     chunks = 8 * 4 * 4096 + 64 * 1024  # a chunk is one row of 4096 (CHUNK elements round down to one row)
     assert chunks < logits_bytes / 2 and forward_peak <= gradient + chunks, (forward_peak, gradient)
     assert backward_peak <= chunks, backward_peak
-    assert (buffer.grad.data_ptr() == buffer.data_ptr()) == inplace
+    assert (leaf.grad.data_ptr() == buffer.data_ptr()) == inplace
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_invalid_targets_give_nan_without_a_host_synchronisation(small_chunks, monkeypatch, reduction):
+def test_invalid_targets_give_nan_without_a_host_synchronisation(small_chunks, monkeypatch, reduction,
+                                                                 targets_unchecked_on_the_cpu):
     """Targets outside [0, C) that are not ignore_index: NaN loss and gradient rows, the others right; no value
     is read back to the host (every way a tensor's value reaches Python raises), but for the one read the backend
     contract grants a backend whose tensors are on the CPU: ``scale``'s one-element factor, read with ``item`` to

@@ -227,14 +227,15 @@ def test_cross_entropy_is_timed_as_a_training_step_builds_it():
     inplace, seen = _recording(impls.inplace_impl("torch"))
     step = impls.prepare(inplace, "cross_entropy", "forward+backward", inputs)
     step()
-    leaf = seen[-1]
-    assert leaf is not x and torch.equal(x, before)
-    assert leaf.grad.data_ptr() == leaf.data_ptr()
-    torch.testing.assert_close(leaf, expected)
+    logits = seen[-1]  # an activation, as a model's logits are (inplace_backward refuses a leaf)
+    assert not logits.is_leaf and torch.equal(x, before)
+    leaf = logits.grad_fn.next_functions[0][0].variable
+    assert leaf.grad.data_ptr() == logits.data_ptr()
+    torch.testing.assert_close(logits.detach(), expected)
     for _ in range(2):
         step()
-        assert seen[-1] is leaf and leaf.grad.data_ptr() == leaf.data_ptr()
-        values = leaf.detach()
+        assert seen[-1] is logits and leaf.grad.data_ptr() == logits.data_ptr()
+        values = logits.detach()
         assert bool(torch.isfinite(values).all()) and float(values.abs().max()) <= 1 / rows
     assert torch.equal(x, before)
 

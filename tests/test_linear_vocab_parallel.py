@@ -27,14 +27,13 @@ import multisoft
 from harness import assert_close, backends_under_test, simulated
 from multisoft._registry import get_backend
 from multisoft.check import reference_cross_entropy
-from test_vocab_parallel import (_counting_collectives, _exit_at_once, _incoming, _join, _no_host_synchronisation,
-                                 _raises, _Report)
+from test_vocab_parallel import (GATHERS, _counting_collectives, _exit_at_once, _incoming, _join,
+                                 _no_host_synchronisation, _raises, _Report)
 
 HIDDEN = 8
 WIDTHS = {2: (5, 8), 3: (4, 7, 6)}     # uneven slices of 13 and 17 classes
 WIDTHS_WITH_AN_EMPTY_RANK = (6, 0, 5)
 REDUCTIONS = ("mean", "sum", "none")
-GATHERS = ("all_gather_single", "all_gather_into_tensor")
 
 CASES = {
     # shape: the target's (input is that and HIDDEN); chunk_size below the rows: several chunks, the last shorter
@@ -172,8 +171,9 @@ def _every_option(report, ranks, backends, plan, device):
 
 
 def _collectives(report, ranks, backend, device):
-    """Once the slices are known, with 3 chunks of rows: a reduced loss's forward runs one all-gather a chunk
-    and one all-reduce (input's gradient), its backward nothing; reduction="none" gathers in the forward only
+    """Once the slices are known, with 3 chunks of rows: a reduced loss's forward runs one all-gather of the
+    ranks' widths (checked against those each rank cached), one all-gather a chunk and one all-reduce (input's
+    gradient), its backward nothing; reduction="none" gathers in the forward only
     and all-reduces once in the backward; so does a gradient through the lse of a reduced loss. On CUDA no host
     synchronisation. Every rank returns the same loss."""
     spec = CASES["everything"]
@@ -199,7 +199,8 @@ def _collectives(report, ranks, backend, device):
             (loss.sum() + (lse.sum() if through_lse else 0.0)).backward()
         what = f"{reduction}, lse differentiated: {through_lse}"
         gathers = [call for call in forward_calls if call in GATHERS]
-        assert len(gathers) == chunks, f"{what}: the forward gathered {len(gathers)} times, not once a chunk"
+        assert len(gathers) == 1 + chunks, \
+            f"{what}: the forward gathered {len(gathers)} times, not once and once a chunk"
         expected_forward = gathers + (["all_reduce"] if reduction != "none" else [])
         assert forward_calls == expected_forward, f"{what}: the forward called {forward_calls}"
         assert calls[len(forward_calls):] == backward_calls, f"{what}: the backward called {calls[len(forward_calls):]}"
@@ -245,6 +246,11 @@ def _argument_errors(report, ranks, backend, device):
             linear_bias=whole_bias, process_group=ranks.group, backend=backend)
     _raises(TypeError, "process_group must be a torch.distributed ProcessGroup", call, x, part, target,
             process_group="world", backend=backend)
+    if device.type == "cpu":  # torch's IndexError for a target outside the V classes, before any collective
+        outside = target.clone()
+        outside[1] = classes
+        _raises(IndexError, f"Target {classes} is out of bounds", call, x, part, outside, process_group=ranks.group,
+                backend=backend)
     mesh = init_device_mesh(device.type, (len(ranks.widths),))
     sharded = distribute_tensor(whole_weight, mesh, [Shard(0)])
     _raises(TypeError, "linear_weight is a DTensor", call, x, sharded, target, process_group=ranks.group,

@@ -50,6 +50,27 @@ def test_inplace_backward_bumps_the_version_and_a_second_backward_raises(backend
 
 
 @on_each_backend
+def test_inplace_backward_refuses_a_leaf_that_requires_grad(backend):
+    """The forward would overwrite a parameter's values with its gradient (the optimizer then steps from garbage):
+    refused by name, as torch refuses an in-place op on a leaf that requires grad or a view of one, before any
+    kernel runs; the values stay. Under no_grad nothing is written, and it runs."""
+    weight = torch.nn.Parameter(torch.randn(6, 40, device=DEVICE))
+    target = torch.randint(0, 40, (6,), device=DEVICE)
+    before = weight.detach().clone()
+    for logits, rows, what in ((weight, target, "a leaf tensor"), (weight[:3], target[:3], "a view of a leaf"),
+                               (weight.view(2, 3, 40).transpose(1, 2), target.view(2, 3), "a view of a leaf")):
+        with pytest.raises(ValueError, match=f"inplace_backward=True would overwrite the logits, {what}"):
+            multisoft.cross_entropy(logits, rows, inplace_backward=True, backend=backend)
+    with pytest.raises(ValueError, match="inplace_backward=True would overwrite the logits, a leaf"):
+        multisoft.nn.CrossEntropyLoss(inplace_backward=True, backend=backend)(weight, target)
+    assert torch.equal(weight.detach(), before)
+    with torch.no_grad():
+        loss = multisoft.cross_entropy(weight, target, inplace_backward=True, backend=backend)
+    assert torch.equal(weight.detach(), before)
+    assert_close(loss, F.cross_entropy(before.double(), target), torch.float32, "loss under no_grad")
+
+
+@on_each_backend
 def test_inplace_backward_used_correctly_gives_the_right_gradients(backend):
     h, w, target = _linear_logits()
     multisoft.cross_entropy(h @ w, target, inplace_backward=True, backend=backend).backward()
@@ -160,7 +181,7 @@ def test_class_probability_targets_refuse_what_torch_refuses():
     with pytest.raises(ValueError, match="logits' shape"):
         multisoft.cross_entropy(logits, torch.rand(4, 5))
     with pytest.raises(ValueError, match="inplace_backward"):
-        multisoft.cross_entropy(logits.requires_grad_(), torch.rand(4, 6), inplace_backward=True)
+        multisoft.cross_entropy(logits.requires_grad_() * 1.0, torch.rand(4, 6), inplace_backward=True)
 
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import gc
 import os
+import re
 import sys
 import traceback
 import weakref
@@ -37,6 +38,7 @@ ROWS = 7
 WIDTHS = {2: (5, 8), 3: (4, 7, 6)}     # uneven slices of 13 and 17 classes
 WIDTHS_WITH_AN_EMPTY_RANK = (6, 0, 5)
 REDUCTIONS = ("mean", "sum", "none")
+GATHERS = ("all_gather_single", "all_gather_into_tensor")
 NAN, INF = float("nan"), float("inf")
 
 CASES = {
@@ -170,7 +172,8 @@ def _three_dimensional(report, ranks, backend, device):
 
 
 def _targets_outside_the_classes(report, ranks, backend, device):
-    """A target outside [0, V) (not ignore_index): a NaN loss and a NaN gradient row; the other rows exact."""
+    """A target outside [0, V) (not ignore_index): on the CPU torch's IndexError on every rank, before any
+    collective (the group stays usable); elsewhere a NaN loss and a NaN gradient row, the other rows exact."""
     whole, target, weight = _inputs(CASES["weighted-ignored"], torch.float32, ranks.widths, device, 3)
     classes = whole.shape[1]
     bad = torch.tensor([2, 4], device=device)
@@ -179,6 +182,16 @@ def _targets_outside_the_classes(report, ranks, backend, device):
     good[bad] = False
     options = _options(CASES["weighted-ignored"], weight, "none")
     part = ranks.part(whole).clone().requires_grad_()
+    if device.type == "cpu":
+        for reduction in ("none", "mean"):
+            with pytest.raises(IndexError, match=f"^Target {classes + 3} is out of bounds.$"):
+                multisoft.cross_entropy(part, target, backend=backend, process_group=ranks.group,
+                                        **{**options, "reduction": reduction})
+        target[bad] = -100
+        loss = multisoft.cross_entropy(part, target, backend=backend, process_group=ranks.group, **options)
+        expected = reference_cross_entropy(whole.double(), target, **options)
+        assert_close(loss, expected, torch.float32, "loss after a refused call")
+        return
     loss = multisoft.cross_entropy(part, target, backend=backend, process_group=ranks.group, **options)
     incoming = _incoming(loss, 4)
     (grad,) = torch.autograd.grad(loss, part, incoming)
@@ -202,19 +215,24 @@ def _in_place(report, ranks, backend, device):
         whole, target, weight = _inputs(spec, dtype, ranks.widths, device, 21)
         for reduction in ("mean", "sum"):
             options = _options(spec, weight, reduction)
-            buffer = ranks.part(whole).clone()
+            leaf = ranks.part(whole).clone().requires_grad_()
             with torch.no_grad():
-                multisoft.cross_entropy(buffer.requires_grad_(), target, backend=backend, inplace_backward=True,
+                multisoft.cross_entropy(leaf, target, backend=backend, inplace_backward=True,
                                         process_group=ranks.group, **options)
-            assert torch.equal(buffer.detach(), ranks.part(whole)), "without autograd the logits changed"
+            assert torch.equal(leaf.detach(), ranks.part(whole)), "without autograd the logits changed"
+            with pytest.raises(ValueError, match="would overwrite the logits, a leaf tensor that requires grad"):
+                multisoft.cross_entropy(leaf, target, backend=backend, inplace_backward=True,
+                                        process_group=ranks.group, **options)
+            assert torch.equal(leaf.detach(), ranks.part(whole)), "a refused call changed the logits"
+            buffer = leaf.clone()  # an activation, as a model's logits are
             logits64 = whole.double().requires_grad_()
             (expected,) = torch.autograd.grad(reference_cross_entropy(logits64, target, **options), logits64)
             loss = multisoft.cross_entropy(buffer, target, backend=backend, inplace_backward=True,
                                            process_group=ranks.group, **options)
             assert_close(buffer.detach(), ranks.part(expected), dtype, f"in place {dtype} {reduction}: forward")
             (2.5 * loss).backward()
-            assert buffer.grad.data_ptr() == buffer.data_ptr(), "the gradient is not the logits' memory"
-            assert_close(buffer.grad, 2.5 * ranks.part(expected), dtype, f"in place {dtype} {reduction}: backward")
+            assert leaf.grad.data_ptr() == buffer.data_ptr(), "the gradient is not the logits' memory"
+            assert_close(leaf.grad, 2.5 * ranks.part(expected), dtype, f"in place {dtype} {reduction}: backward")
 
 
 def _float16_under_a_loss_scale(report, ranks, backend, device):
@@ -318,8 +336,9 @@ def _no_host_synchronisation(device):
 
 
 def _communication(report, ranks, backend, device):
-    """Once the slices are known: one collective in the forward, none in the backward, and on CUDA no host
-    synchronisation in either."""
+    """Once the slices are known: two all-gathers in the forward (the ranks' widths, checked against those each
+    rank cached, then the rows' statistics), none in the backward, and on CUDA no host synchronisation in
+    either."""
     spec = CASES["everything"]
     whole, target, weight = _inputs(spec, torch.float32, ranks.widths, device, 71)
     options = _options(spec, weight, "mean")
@@ -336,8 +355,36 @@ def _communication(report, ranks, backend, device):
         loss, lse = forward()
         forward_calls = list(calls)
         (loss + lse.sum()).backward()
-    assert len(forward_calls) == 1, f"the forward called {forward_calls}, not one collective"
+    assert len(forward_calls) == 2 and all(call in GATHERS for call in forward_calls), \
+        f"the forward called {forward_calls}, not two all-gathers"
     assert calls == forward_calls, f"the backward called {calls[len(forward_calls):]}"
+
+
+def _a_slicing_changed_on_some_ranks(report, ranks, backend, device):
+    """A rank whose width changes after the first call while the others' stay: a ValueError on every rank that
+    says so, raised after the same collectives everywhere (the group stays usable: the first slicing still
+    works). Widths that change on every rank at once are a new slicing, learned afresh. CPU (gloo) only: on a GPU
+    the check is a device-side assertion, which leaves the process unable to use its GPU."""
+    group = dist.new_group(list(range(len(ranks.widths))))  # its slices learned afresh
+    options = _options(CASES["plain"], None, "mean")
+
+    def loss_of(widths, seed):
+        whole, target, _ = _inputs(CASES["plain"], torch.float32, widths, device, seed)
+        slicing = _Ranks(group, widths)
+        loss = multisoft.cross_entropy(slicing.part(whole), target, backend=backend, process_group=group,
+                                       **options)
+        assert_close(loss, reference_cross_entropy(whole.double(), target, **options), torch.float32,
+                     f"loss with widths {widths}")
+
+    loss_of(ranks.widths, 81)
+    changed = (ranks.widths[0] + 1,) + ranks.widths[1:]
+    with pytest.raises(ValueError, match=re.escape(f"slicing of the classes changed on some ranks and not on "
+                                                   f"others since an earlier call: the ranks' widths are now "
+                                                   f"{list(changed)}, but rank 1 had {list(ranks.widths)}")):
+        loss_of(changed, 82)
+    loss_of(ranks.widths, 83)
+    loss_of(ranks.widths[1:] + ranks.widths[:1], 84)  # every rank's width changes
+    loss_of(ranks.widths, 85)
 
 
 def _raises(error, pattern, call, *args, **kwargs):
@@ -423,6 +470,9 @@ def _worker(rank, world, rendezvous, plan):
             for check in (_three_dimensional, _targets_outside_the_classes, _in_place, _float16_under_a_loss_scale,
                           _module, _dtensor, _argument_errors, _communication):
                 report(f"{backend} {check.__name__}", check, report, ranks, backend, device)
+            if plan["device"] == "cpu":
+                report(f"{backend} _a_slicing_changed_on_some_ranks", _a_slicing_changed_on_some_ranks, report,
+                       ranks, backend, device)
             if plan["device"] == "cuda":
                 stream = torch.cuda.Stream()
                 with torch.cuda.stream(stream):

@@ -30,7 +30,8 @@ def host_call(impl: Impl, op: str, direction: str, inputs: dict) -> Callable:
     if direction == "forward":
         own = x.detach().clone() if op in impl.inplace_ops else x  # one that writes into x: a copy, made once
         return lambda: f(own)
-    return impls.training_step(f, x.detach().clone().requires_grad_(True), grad)
+    leaf = x.detach().clone().requires_grad_(True)
+    return impls.training_step(f, leaf, grad, impls.graph_input(impl, op, leaf))
 
 
 def kernel_call(impl: Impl, inputs: dict) -> Callable:

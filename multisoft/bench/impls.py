@@ -205,13 +205,25 @@ def make_inputs(case: plan.Case, dtype_name: str, device) -> dict:
     return inputs
 
 
-def training_step(f: Callable, leaf, grad) -> Callable:
+def training_step(f: Callable, leaf, grad, graph_input=None) -> Callable:
     """One call as a training step makes it: ``leaf.grad`` cleared (as ``zero_grad()`` does), then ``f(leaf)``
-    and its backward, ``loss.backward()`` (an output's: ``y.backward(grad)``). Each call builds a new graph."""
+    (``f(graph_input)`` where given, a function of ``leaf``) and its backward, ``loss.backward()`` (an output's:
+    ``y.backward(grad)``). Each call builds a new graph."""
+    x = leaf if graph_input is None else graph_input
+
     def step():
         leaf.grad = None
-        f(leaf).backward(grad)
+        f(x).backward(grad)
     return step
+
+
+def graph_input(impl: Impl, op: str, leaf):
+    """What a forward+backward calls ``f`` on: ``leaf``, or for an implementation that writes its gradient into
+    its input (``inplace_ops``) a copy of ``leaf`` made once, here, outside the timed calls. A model's logits are
+    an activation, not a leaf that requires grad (multisoft's inplace_backward refuses one, as torch refuses an
+    in-place op there); the gradient written into the copy reaches ``leaf.grad`` through clone's backward, which
+    passes it on without a copy."""
+    return leaf.clone() if op in impl.inplace_ops else leaf
 
 
 def prepare(impl: Impl, op: str, direction: str, inputs: dict) -> Callable:
@@ -238,4 +250,4 @@ def prepare(impl: Impl, op: str, direction: str, inputs: dict) -> Callable:
     if direction == "backward":
         y = f(leaf)
         return lambda: torch.autograd.grad(y, leaf, grad, retain_graph=True)
-    return training_step(f, leaf, grad)
+    return training_step(f, leaf, grad, graph_input(impl, op, leaf))

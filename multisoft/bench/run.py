@@ -334,14 +334,15 @@ def _run_memory(runner: Runner, chosen: list[Impl], case: plan.Case, dtype_name:
         try:
             f = impl.make(case.op, inputs)
             x = inputs["x"].detach().clone().requires_grad_(True)
+            logits = impls.graph_input(impl, case.op, x)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            loss = f(x)
+            loss = f(logits)
             (grad,) = torch.autograd.grad(loss, x)
             torch.cuda.synchronize()
             record.peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-            del loss, grad, x
+            del loss, grad, x, logits
         except Exception as error:  # noqa: BLE001
             record.note = describe_error(error)
             timing.recover()
