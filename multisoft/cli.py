@@ -14,7 +14,7 @@ def _info(args) -> int:
     import torch
 
     import multisoft
-    from multisoft._registry import ENV_VAR
+    from multisoft._registry import ENV_VAR, environment_backends
 
     print(f"multisoft {multisoft.__version__}, python {platform.python_version()}, torch {torch.__version__}")
     if torch.cuda.is_available():
@@ -26,7 +26,14 @@ def _info(args) -> int:
     else:
         device = torch.device("cpu")
         print("GPU: none (no CUDA device visible to torch)")
-    print(f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r}")
+    status = 0
+    value = os.environ.get(ENV_VAR, "")
+    try:
+        environment_backends(value)
+        print(f"{ENV_VAR}={value!r}" + ("" if value.strip() else " (unset: the automatic choice)"))
+    except ValueError as error:
+        print(f"INVALID {error}; every call that names no backend (backend= or use_backend) raises")
+        status = 1
     print(f"backends, in default priority order, on {device}:")
     for backend in multisoft.backends(device):
         state = "available" if backend.available else f"unavailable: {backend.unavailable_reason}"
@@ -35,7 +42,7 @@ def _info(args) -> int:
         print(f"  {backend.name:<10} {backend.version or '-':<32} {state}")
         for note in backend.notes:
             print(f"  {'':<10} note: {note}")
-    return 0
+    return status
 
 
 class UsageError(Exception):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from multisoft import cli
+from multisoft._registry import ENV_VAR
 
 
 def _run(*args, env=None):
@@ -62,3 +63,18 @@ def test_info_into_a_closed_pipe_ends_quietly():
     _, err = process.communicate()
     assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
     assert process.returncode == 0
+
+
+# -- info and $MULTISOFT_BACKEND
+
+
+def test_info_flags_an_unknown_backend_in_the_environment_variable(monkeypatch, capsys):
+    monkeypatch.setenv(ENV_VAR, "torch,foo")
+    assert cli.main(["info"]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID environment variable MULTISOFT_BACKEND='torch,foo': unknown backend 'foo'; known backends: " in out
+    assert "  torch " in out, "the backends are listed all the same"
+    monkeypatch.setenv(ENV_VAR, "reference, torch")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "MULTISOFT_BACKEND='reference, torch'\n" in out and "INVALID" not in out
