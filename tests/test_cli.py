@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import multisoft
 from multisoft import cli
 from multisoft._registry import ENV_VAR
 
@@ -78,3 +80,29 @@ def test_info_flags_an_unknown_backend_in_the_environment_variable(monkeypatch, 
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "MULTISOFT_BACKEND='reference, torch'\n" in out and "INVALID" not in out
+
+
+# -- check: linear_cross_entropy, and the simulation's warnings
+
+
+def test_check_covers_linear_cross_entropy_forward_and_every_gradient(monkeypatch, capsys):
+    """Its loss, lse and the gradients of input, weight and bias against float64; a wrong weight gradient
+    (scaled by 1.1 through a hook) fails those rows, and only those, with exit status 1."""
+    parts = ("forward", "lse", "backward input", "backward weight", "backward bias")
+    assert cli.main(["check", "--backends", "torch"]) == 0
+    out = capsys.readouterr().out
+    for part in parts:
+        rows = re.findall(rf"^linear_cross_entropy {part} +\|.*\| (\w+) *$", out, re.M)
+        assert rows == ["pass"] * 3, (part, rows)   # one shape, three dtypes
+
+    real = multisoft.linear_cross_entropy
+
+    def wrong_weight_gradient(input, linear_weight, *args, **kwargs):
+        linear_weight.register_hook(lambda grad: grad * 1.1)
+        return real(input, linear_weight, *args, **kwargs)
+
+    monkeypatch.setattr(multisoft, "linear_cross_entropy", wrong_weight_gradient)
+    assert cli.main(["check", "--backends", "torch"]) == 1
+    out = capsys.readouterr().out
+    failed = re.findall(r"^(\S+ [\w ]+?) +\|.*\| FAIL *$", out, re.M)
+    assert failed == ["linear_cross_entropy backward weight"] * 3, failed
