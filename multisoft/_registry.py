@@ -153,7 +153,13 @@ def get_backend(name: str) -> Backend:
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run the ops inside this block on backend ``name`` (thread- and task-local)."""
+    """Run the ops inside this block on backend ``name`` (thread- and task-local).
+
+    Under ``torch.compile`` the backend is chosen when a graph is traced, and the graph keeps it: a compiled
+    function traced outside this block (or under another ``$MULTISOFT_BACKEND``) goes on running the backend
+    it was traced with inside it, with no recompilation. Pass ``backend=`` in the compiled code, or choose
+    the backend before the first call and trace again after changing it (``torch.compiler.reset()``).
+    """
     get_backend(name)
     token = _current.set(name)
     try:
@@ -162,12 +168,25 @@ def use_backend(name: str) -> Iterator[None]:
         _current.reset(token)
 
 
-def _require(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
+def _require(name: str, device: torch.device, dtype: torch.dtype, chosen_by: str = "") -> Backend:
     backend = get_backend(name)
     reason = backend.unavailable_reason(device, dtype)
     if reason is not None:
-        raise BackendUnavailableError(f"backend {name!r} cannot run on {device} with {dtype}: {reason}")
+        raise BackendUnavailableError(f"{chosen_by}backend {name!r} cannot run on {device} with {dtype}: {reason}")
     return backend
+
+
+def environment_backends(value: str) -> list[str]:
+    """The backend names of a ``$MULTISOFT_BACKEND`` value (one name, or a comma-separated priority list; none
+    for an empty one); a ValueError naming the variable and its value for a name that is not a backend here."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    for name in names:
+        try:
+            get_backend(name)
+        except ValueError as error:
+            raise ValueError(f"environment variable {ENV_VAR}={value!r}: {error} (one name, or a comma-separated "
+                             f"priority list; unset it for the automatic choice)") from None
+    return names
 
 
 def resolve(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> Backend:
@@ -194,17 +213,17 @@ def clear_caches() -> None:
 def _resolve(device: torch.device, dtype: torch.dtype, backend: str | None, env: str) -> Backend:
     if backend is not None:
         return _require(backend, device, dtype)
-    if env:
-        names = [n.strip() for n in env.split(",") if n.strip()]
-        if len(names) == 1:
-            return _require(names[0], device, dtype)
+    names = environment_backends(env) if env else []
+    if len(names) == 1:
+        return _require(names[0], device, dtype, f"{ENV_VAR}={env!r}: ")
+    if names:
         candidates = [get_backend(n) for n in names]
     else:
         candidates = [b for b in _default_backends() if b.automatic]
     for candidate in candidates:
         if candidate.unavailable_reason(device, dtype) is None:
             return candidate
-    if env:
+    if names:
         raise BackendUnavailableError(f"no backend of {ENV_VAR}={env!r} can run on {device} with {dtype}")
     raise BackendUnavailableError(f"no installed backend can run on {device} with {dtype}")
 

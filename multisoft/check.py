@@ -122,6 +122,31 @@ def reference_cross_entropy(logits, target, *, weight=None, ignore_index=-100, r
     return (loss, lse) if return_lse else loss
 
 
+def reference_linear_cross_entropy(input, linear_weight, target, linear_bias=None, **options):
+    """multisoft.linear_cross_entropy in float64: ``reference_cross_entropy`` of ``F.linear`` of float64 copies of
+    ``input``, ``linear_weight`` and ``linear_bias`` (returned as the first item, leaves that require grad, so that
+    the result differentiates into them). 16-bit logits take the values that torch's ``F.linear`` gives in that
+    dtype: that rounding, up to 2**-9 of each logit in bfloat16, belongs to the function (the cross-entropy of the
+    16-bit logits), not to its implementation, and exp() would turn it into more than the dtype's tolerance once
+    logits pass ~4. Returns (leaves, float64 logits (M, V), the reference's output)."""
+    given = (input, linear_weight, linear_bias)
+    leaves = [None if t is None else t.detach().double().requires_grad_() for t in given]
+    logits = F.linear(*leaves).reshape(-1, linear_weight.shape[0])
+    if input.dtype in (torch.float16, torch.bfloat16):
+        rounded = F.linear(*(None if t is None else t.detach() for t in given))
+        logits = logits + (rounded.double().reshape(logits.shape) - logits).detach()
+    return leaves, logits, reference_cross_entropy(logits, target.reshape(-1), **options)
+
+
+def linear_gradient_magnitudes(grad_logits, input, linear_weight):
+    """The size of the terms each gradient of linear_cross_entropy sums (see ``error_ratio``), from the float64
+    gradient of the logits (M, V): ``|dlogits| @ |W|`` for the input's, ``|dlogits|.T @ |input|`` for the weight's,
+    ``|dlogits|.sum(0)`` for the bias's."""
+    size = grad_logits.detach().double().abs()
+    x = input.detach().double().reshape(-1, linear_weight.shape[1]).abs()
+    return size @ linear_weight.detach().double().abs(), size.t() @ x, size.sum(0)
+
+
 def reference_blocksparse(x, layout, block, scale, is_causal) -> torch.Tensor:
     """softmax(scale * x) in float64, each row over its unmasked elements (its stored blocks' elements, with
     is_causal those not past the diagonal) as dense torch.softmax gives it over them: NaN throughout for a NaN or
@@ -178,6 +203,8 @@ def _cases(device: torch.device, small: bool):
     soft_shapes = [(3, 100), (2, 5000)] if small else [(4, 1000), (64, 4096), (2, 131_072), (2, 262_144)]
     ce_shapes = [(8, 300)] if small else [(64, 32_000), (8, 128_256)]
     bs_cases = [(16, 2, 4)] if small else [(32, 4, 16), (128, 2, 8)]
+    # (rows, hidden, classes, chunk_size): chunks that do not divide the rows
+    lce_shapes = [(8, 16, 100, 3)] if small else [(1000, 256, 32_000, 384)]
 
     def softmax_case(shape, log):
         def run(backend, dtype):
@@ -211,6 +238,32 @@ def _cases(device: torch.device, small: bool):
                     "lse": (lse, expected_lse, None)}
         return run
 
+    def lce_case(rows, hidden, classes, chunk_size):
+        def run(backend, dtype):
+            gen = torch.Generator(device="cpu").manual_seed(4)
+            x = torch.randn(rows, hidden, generator=gen).to(device, dtype).requires_grad_()
+            # logits of order 3
+            w = (torch.randn(classes, hidden, generator=gen) * (3 / hidden ** 0.5)).to(device, dtype).requires_grad_()
+            b = torch.randn(classes, generator=gen).to(device, dtype).requires_grad_()
+            target = torch.randint(0, classes, (rows,), generator=gen)
+            target[::5] = -100
+            target = target.to(device)
+            weight = (torch.rand(classes, generator=gen) + 0.5).to(device)
+            kwargs = dict(weight=weight, label_smoothing=0.1, softcap=15.0, lse_square_scale=1e-3, return_lse=True)
+            loss, lse = multisoft.linear_cross_entropy(x, w, target, linear_bias=b, backend=backend,
+                                                       chunk_size=chunk_size, **kwargs)
+            # an incoming gradient of `rows` undoes the mean's division: gradients of order 1, not of atol
+            grads = torch.autograd.grad(loss, (x, w, b), torch.full_like(loss, rows))
+            leaves, logits, (expected, expected_lse) = reference_linear_cross_entropy(x, w, target, b, **kwargs)
+            *expected_grads, grad_logits = torch.autograd.grad(expected, (*leaves, logits),
+                                                               torch.full_like(expected, rows))
+            magnitudes = linear_gradient_magnitudes(grad_logits, x, w)
+            results = {"forward": (loss, expected, None), "lse": (lse, expected_lse, None)}
+            for name, *result in zip(("input", "weight", "bias"), grads, expected_grads, magnitudes):
+                results[f"backward {name}"] = tuple(result)
+            return results
+        return run
+
     def bs_case(block, heads, block_rows):
         def run(backend, dtype):
             gen = torch.Generator(device="cpu").manual_seed(3)
@@ -229,6 +282,9 @@ def _cases(device: torch.device, small: bool):
         yield ("log_softmax" if log else "softmax"), "x".join(map(str, shape)), softmax_case(shape, log)
     for shape in ce_shapes:
         yield "cross_entropy", "x".join(map(str, shape)), ce_case(shape)
+    for rows, hidden, classes, chunk_size in lce_shapes:
+        yield ("linear_cross_entropy", f"M{rows} H{hidden} V{classes} chunk {chunk_size}",
+               lce_case(rows, hidden, classes, chunk_size))
     for block, heads, block_rows in bs_cases:
         yield "blocksparse", f"b{block} h{heads} {block_rows}x{block_rows} causal", bs_case(block, heads, block_rows)
 

@@ -77,6 +77,49 @@ def test_environment_priority_list_skips_what_cannot_run(monkeypatch):
         multisoft.softmax(x, -1)
 
 
+def test_a_bad_environment_variable_is_named_in_the_error(monkeypatch):
+    """A name in $MULTISOFT_BACKEND that is not a backend, or the one it names that cannot run, is reported as the
+    variable's fault (with its value), not as if ``backend=`` were wrong; ``backend=`` is reported as itself."""
+    x = torch.randn(2, 3)
+    for value in ("foo", "torch, foo"):
+        monkeypatch.setenv(_registry.ENV_VAR, value)
+        with pytest.raises(ValueError, match=rf"^environment variable MULTISOFT_BACKEND={value!r}: unknown backend "
+                                             r"'foo'; known backends: .*torch"):
+            multisoft.softmax(x, -1)
+    monkeypatch.setenv(_registry.ENV_VAR, "torch")
+    monkeypatch.setattr(_registry.get_backend("torch").module, "unavailable_reason", lambda device, dtype: "no CUDA")
+    with pytest.raises(multisoft.BackendUnavailableError,
+                       match=r"^MULTISOFT_BACKEND='torch': backend 'torch' cannot run on cpu .*: no CUDA"):
+        multisoft.softmax(x, -1)
+    monkeypatch.setenv(_registry.ENV_VAR, "reference")
+    with pytest.raises(ValueError, match="^unknown backend 'foo'") as raised:
+        multisoft.softmax(x, -1, backend="foo")
+    assert _registry.ENV_VAR not in str(raised.value)
+
+
+def test_compiled_code_keeps_the_backend_chosen_when_it_was_traced(ran, monkeypatch):
+    """What the README and use_backend's docstring say: under torch.compile the choice by use_backend and
+    $MULTISOFT_BACKEND is made at trace time and kept (no guard, no recompilation) until the code is traced again."""
+    compiled = torch.compile(lambda t: multisoft.softmax(t, -1), fullgraph=True, backend="eager")
+    x = torch.randn(3, 5)
+    torch.compiler.reset()
+    try:
+        monkeypatch.setenv(_registry.ENV_VAR, "reference")
+        torch.testing.assert_close(compiled(x), torch.softmax(x, -1))
+        assert ran[-1] == "reference"
+        monkeypatch.setenv(_registry.ENV_VAR, "torch")
+        compiled(x)
+        assert ran[-1] == "reference", "the variable changed after tracing: the graph keeps its backend"
+        with multisoft.use_backend("torch"):
+            compiled(x)
+        assert ran[-1] == "reference", "use_backend after tracing: the graph keeps its backend"
+        torch.compiler.reset()
+        compiled(x)
+        assert ran[-1] == "torch", "traced again: the variable as it is now"
+    finally:
+        torch.compiler.reset()
+
+
 def test_use_backend_is_thread_local():
     seen = {}
 
