@@ -23,7 +23,6 @@ forward would cost the compiled backward a copy of it: four).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -439,7 +438,7 @@ def validate_arguments(logits, target, weight, ignore_index, reduction, label_sm
     """Validates the arguments; returns (number of classes, label_smoothing, lse_square_scale and softcap as
     floats, softcap 0.0 for none, probability targets?). With ``sliced`` the logits hold a slice of the classes:
     the number of classes and ``weight`` are left to ``check_classes`` and ``check_weight`` once the whole number
-    is known."""
+    is known. Under ``torch.compile`` the numbers may be symbolic (``_validate``'s module docstring)."""
     _validate.floating(logits, "logits")
     _validate.tensor(target, "target")
     if logits.ndim == 0:
@@ -469,16 +468,16 @@ def validate_arguments(logits, target, weight, ignore_index, reduction, label_sm
     _validate.one_of(reduction, REDUCTIONS, "reduction")
     label_smoothing = _validate.real(label_smoothing, "label_smoothing")
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        raise ValueError(f"label_smoothing must be in [0, 1], got {float(label_smoothing)}")
     lse_square_scale = _validate.finite(lse_square_scale, "lse_square_scale")
     if lse_square_scale < 0.0:
-        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
+        raise ValueError(f"lse_square_scale must be >= 0, got {float(lse_square_scale)}")
     if softcap is None:
         softcap = 0.0
     else:
         softcap = _validate.real(softcap, "softcap")
-        if not (math.isfinite(softcap) and softcap > 0.0):
-            raise ValueError(f"softcap must be a finite number > 0, or None for no cap; got {softcap}")
+        if not 0.0 < softcap < _validate.INF:  # not math.isfinite: dynamo cannot call it on a symbolic float
+            raise ValueError(f"softcap must be a finite number > 0, or None for no cap; got {float(softcap)}")
     _validate.boolean(return_lse, "return_lse")
     _validate.boolean(inplace_backward, "inplace_backward")
     return classes, label_smoothing, lse_square_scale, softcap, probabilities
