@@ -620,9 +620,13 @@ def _probability_dtypes(logits, target):
 def _is_dtensor(tensor) -> bool:
     """Whether ``tensor`` is a DTensor (or of a subclass), from its classes' names: without importing
     torch.distributed.tensor, and without reading ``sys.modules``, which torch.compile would trace as a dict that
-    another thread's import can change while it is read."""
-    return any(cls.__name__ == "DTensor" and cls.__module__ == "torch.distributed.tensor"
-               for cls in type(tensor).__mro__)
+    another thread's import can change while it is read. A plain tensor or a Parameter (of any Parameter class:
+    a DTensor made a Parameter keeps its DTensor class) is answered first, without the classes' ``__mro__``, which
+    torch.compile (torch 2.13) cannot iterate for a Parameter."""
+    cls = type(tensor)
+    if cls is torch.Tensor or issubclass(cls, torch.nn.Parameter):
+        return False
+    return any(base.__name__ == "DTensor" and base.__module__ == "torch.distributed.tensor" for base in cls.__mro__)
 
 
 def _probability_targets(logits, target, weight, reduction, label_smoothing, softcap, lse_square_scale, backend):

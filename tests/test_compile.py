@@ -1,19 +1,31 @@
-"""torch.compile(fullgraph=True) of multisoft's ops with dynamic shapes.
+"""torch.compile(fullgraph=True) of multisoft's ops with dynamic shapes, and of models that hand them nn.Parameters.
 
 ``dynamic=True`` traces every number as a symbolic one, the defaults of the ops' options included: argument
-validation must take those, and still raise for a bad value, naming it. ``aot_eager``: the custom ops run as in
-eager, and AOT autograd builds the backward graph. Every compiled test starts from ``torch._dynamo.reset()``:
-cases share their functions' code objects, and past dynamo's recompile limit a ``fullgraph=True`` call fails.
+validation must take those, and still raise for a bad value, naming it. A model passes its Parameters straight to
+the ops (the logits it learns, its output layer's weight: ``linear_cross_entropy(hidden, self.lm_head.weight,
+labels)``, README's example), which dynamo traces otherwise than plain tensors (torch 2.13): each case compiles a
+module holding Parameters, static and dynamic, and checks its output and every Parameter's gradient against
+float64 torch (``multisoft.check``'s references, ``check.TOLERANCES``) on every backend under test (compiling costs
+the same on each, the ops being opaque to the compiler; the simulated ones run tiny shapes). ``aot_eager``: the
+custom ops run as in eager, and AOT autograd builds the backward graph. Every compiled test starts from
+``torch._dynamo.reset()``: cases share their functions' code objects, and past dynamo's recompile limit a
+``fullgraph=True`` call fails.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, assert_close
-from multisoft.check import reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy
+from harness import DEVICE, assert_close, backends_under_test
+from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
+                             softmax_backward_magnitude)
+
+BACKENDS = backends_under_test()
+on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
+each_shape_mode = pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 
 LAYOUT = torch.tensor([[[1, 0], [1, 1]]])  # 3 blocks of 16 x 16
 HIDDEN, CLASSES = 6, 11
@@ -168,3 +180,158 @@ def test_validation_takes_symbolic_numbers():
         _validate.real(True, "label_smoothing")
     with pytest.raises(TypeError, match="ignore_index must be an int, got bool"):
         _validate.integer(True, "ignore_index")
+
+
+# -- a module holding Parameters, compiled
+
+
+class Holding(torch.nn.Module):
+    """A module whose ``forward(*inputs)`` is ``function(self, *inputs)``, holding ``parameters`` (name -> tensor,
+    made nn.Parameters) and ``submodules``."""
+
+    def __init__(self, function, parameters=None, **submodules):
+        super().__init__()
+        self.function = function
+        for name, value in (parameters or {}).items():
+            self.register_parameter(name, torch.nn.Parameter(value.to(DEVICE)))
+        for name, module in submodules.items():
+            self.add_module(name, module)
+
+    def forward(self, *inputs):
+        return self.function(self, *inputs)
+
+
+def _softmax_case(backend, log, module):
+    """softmax / log_softmax of a Parameter (3, 6, 5) along its middle dim, by the function or the nn module."""
+    op, torch_op = (multisoft.log_softmax, torch.log_softmax) if log else (multisoft.softmax, torch.softmax)
+    parameters = {"weight": torch.randn(3, 6, 5) * 2}
+    if module:
+        layer = (multisoft.nn.LogSoftmax if log else multisoft.nn.Softmax)(1, backend=backend)
+        model = Holding(lambda self: self.layer(self.weight), parameters, layer=layer)
+    else:
+        model = Holding(lambda self: op(self.weight, 1, backend=backend), parameters)
+
+    def reference(leaves):
+        return torch_op(leaves["weight"], 1)
+
+    def gradients(leaves, expected, incoming):
+        return {"weight": (None, softmax_backward_magnitude(expected, incoming, 1, log))}
+
+    return model, (), reference, gradients
+
+
+def _cross_entropy_case(backend, probabilities, module):
+    """cross_entropy of Parameter logits: class indices at the default options (the function), class
+    probabilities with label smoothing, a softcap and the z-loss; the nn module on (N, C, d) logits with class
+    weights and smoothing."""
+    if module:
+        weight = torch.rand(CLASSES, device=DEVICE) + 0.5
+        options = dict(weight=weight, label_smoothing=0.1)
+        parameters = {"logits": torch.randn(4, CLASSES, 3) * 2}
+        target = torch.randint(0, CLASSES, (4, 3), device=DEVICE)
+        target[1, 2] = -100
+        loss = multisoft.nn.CrossEntropyLoss(backend=backend, **options)
+        model = Holding(lambda self, t: self.loss(self.logits, t), parameters, loss=loss)
+    else:
+        parameters = {"logits": torch.randn(5, CLASSES) * 2}
+        if probabilities:
+            options = dict(label_smoothing=0.1, softcap=5.0, lse_square_scale=0.01)
+            target = torch.softmax(torch.randn(5, CLASSES, device=DEVICE) * 2, 1)
+        else:
+            options = {}
+            target = torch.tensor([1, 10, -100, 0, 7], device=DEVICE)
+        model = Holding(lambda self, t: multisoft.cross_entropy(self.logits, t, backend=backend, **options),
+                        parameters)
+
+    def reference(leaves, t):
+        return reference_cross_entropy(leaves["logits"], t, **options)
+
+    return model, (target,), reference, None
+
+
+def _linear_cross_entropy_case(backend, module):
+    """linear_cross_entropy of hidden states through a Linear's weight and bias (Parameters), README's example: the
+    function with a softcap, the nn module at its defaults."""
+    lm_head = torch.nn.Linear(HIDDEN, CLASSES).to(DEVICE)
+    hidden = torch.randn(7, HIDDEN)
+    target = torch.randint(0, CLASSES, (7,), device=DEVICE)
+    target[3] = -100
+    options = {} if module else dict(softcap=5.0)
+    if module:
+        loss = multisoft.nn.LinearCrossEntropyLoss(backend=backend)
+        model = Holding(lambda self, t: self.loss(self.input, self.lm_head.weight, t, self.lm_head.bias),
+                        {"input": hidden}, lm_head=lm_head, loss=loss)
+    else:
+        model = Holding(lambda self, t: multisoft.linear_cross_entropy(
+            self.input, self.lm_head.weight, t, linear_bias=self.lm_head.bias, backend=backend, **options),
+            {"input": hidden}, lm_head=lm_head)
+
+    def reference(leaves, t):
+        logits = F.linear(leaves["input"], leaves["lm_head.weight"], leaves["lm_head.bias"])
+        return reference_cross_entropy(logits, t, **options)
+
+    def gradients(leaves, expected, incoming):
+        logits = F.linear(leaves["input"], leaves["lm_head.weight"], leaves["lm_head.bias"]).detach()
+        logits.requires_grad_()
+        (grad_logits,) = torch.autograd.grad(reference_cross_entropy(logits, target, **options), logits, incoming)
+        magnitudes = _linear_gradient_magnitudes(leaves, grad_logits.abs())
+        return {name: (None, magnitude) for name, magnitude in magnitudes.items()}
+
+    return model, (target,), reference, gradients
+
+
+def _blocksparse_case(backend):
+    """blocksparse_softmax of Parameter blocks, causal, at the default scale."""
+    model = Holding(lambda self: multisoft.blocksparse_softmax(self.blocks, LAYOUT, 16, is_causal=True,
+                                                               backend=backend),
+                    {"blocks": torch.randn(1, 3, 16, 16) * 2})
+
+    def reference(leaves):
+        return reference_blocksparse(leaves["blocks"], LAYOUT, 16, 1.0, True)
+
+    def gradients(leaves, expected, incoming):  # the reference forward is not differentiable: its backward's
+        return {"blocks": reference_blocksparse_backward(expected, incoming, LAYOUT, 16, 1.0)}
+
+    return model, (), reference, gradients
+
+
+CASES = {
+    # name -> (model, its inputs, reference(leaves, *inputs) in float64, gradients or None)
+    "softmax": lambda backend: _softmax_case(backend, log=False, module=False),
+    "log_softmax": lambda backend: _softmax_case(backend, log=True, module=False),
+    "cross_entropy-indices": lambda backend: _cross_entropy_case(backend, probabilities=False, module=False),
+    "cross_entropy-probabilities": lambda backend: _cross_entropy_case(backend, probabilities=True, module=False),
+    "linear_cross_entropy": lambda backend: _linear_cross_entropy_case(backend, module=False),
+    "blocksparse_softmax": _blocksparse_case,
+    "nn.Softmax": lambda backend: _softmax_case(backend, log=False, module=True),
+    "nn.LogSoftmax": lambda backend: _softmax_case(backend, log=True, module=True),
+    "nn.CrossEntropyLoss": lambda backend: _cross_entropy_case(backend, probabilities=False, module=True),
+    "nn.LinearCrossEntropyLoss": lambda backend: _linear_cross_entropy_case(backend, module=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@each_shape_mode
+@on_each_backend
+def test_compiled_module_holding_parameters(backend, dynamic, case):
+    """Output and every Parameter's gradient (for a random incoming gradient) against float64 torch: the
+    reference's own gradient, or where a case's ``gradients`` gives one (name -> (gradient or None, magnitude or
+    None)), that, with the size of the terms it sums as the magnitude (``check.error_ratio``)."""
+    model, inputs, reference, gradients = CASES[case](backend)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    out = compiled(*inputs)
+    names, parameters = zip(*model.named_parameters())
+    leaves = {name: p.detach().double().requires_grad_() for name, p in zip(names, parameters)}
+    expected = reference(leaves, *inputs)
+    assert_close(out, expected, torch.float32, f"{case} output")
+    incoming = torch.rand_like(expected)
+    grads = torch.autograd.grad(out, parameters, incoming.to(out.dtype))
+    given = gradients(leaves, expected.detach(), incoming) if gradients else {}
+    for name, grad in zip(names, grads):
+        wanted, magnitude = given.get(name, (None, None))
+        if wanted is None:
+            (wanted,) = torch.autograd.grad(expected, leaves[name], incoming, retain_graph=True)
+        assert grad.dtype == torch.float32
+        assert_close(grad, wanted, torch.float32, f"{case} gradient of {name}", magnitude)
