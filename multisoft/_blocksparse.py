@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _validate
-from ._forward_ad import refuse_tangents
+from ._forward_ad import refuse_tangents, refuse_transforms
 from ._registry import get_backend, resolve_name
 
 BLOCKS = (16, 32, 64, 128)
@@ -223,8 +223,10 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor, block: int, *, sc
     ``x`` is (Z, nnz, block, block) in ``layout.nonzero()`` order; the result
     has the same format. ``is_causal`` masks every absolute column greater than
     the row; a row with nothing unmasked gives zeros. ``scale`` is any finite
-    number (0 gives every unmasked element of a row the same share).
+    number (0 gives every unmasked element of a row the same share). Inside a
+    ``torch.func`` transform it raises ``NotImplementedError``.
     """
+    refuse_transforms("blocksparse_softmax")
     _validate.floating(x, "x")
     refuse_tangents("blocksparse_softmax", x=x)
     scale = _validate.finite(scale, "scale")
@@ -247,6 +249,7 @@ def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torc
                                  scale: float = 1.0, backend: str | None = None) -> torch.Tensor:
     """Gradient of ``blocksparse_softmax`` given its output ``y`` and the incoming ``dy``:
     ``scale * y * (dy - rowsum(y * dy))``, in the compressed format."""
+    refuse_transforms("blocksparse_softmax_backward")
     _validate.tensor(y, "y")
     refuse_tangents("blocksparse_softmax_backward", y=y, dy=dy)
     lut = lookup_table(layout, block, y.device)

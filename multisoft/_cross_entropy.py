@@ -23,13 +23,13 @@ forward would cost the compiled backward a copy of it: four).
 
 from __future__ import annotations
 
-import math
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
 
 from . import _validate
-from ._forward_ad import refuse_tangents
+from ._forward_ad import refuse_tangents, refuse_transforms
 from ._registry import get_backend, resolve_name
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -415,9 +415,9 @@ def _reduce(loss_rows, reduction, target, weight, ignore_index, classes):
 
 
 def check_classes(classes, logits, target):
-    """Rows to predict need classes to predict them from."""
+    """Rows to predict need classes to predict them from (errors name the logits ``input``, the public name)."""
     if classes == 0 and target.numel() > 0:
-        raise ValueError(f"logits has no classes (shape {tuple(logits.shape)}): there is nothing to predict from")
+        raise ValueError(f"input has no classes (shape {tuple(logits.shape)}): there is nothing to predict from")
 
 
 def check_weight(weight, classes, logits, differentiable=False):
@@ -428,7 +428,7 @@ def check_weight(weight, classes, logits, differentiable=False):
         _validate.floating(weight, "weight")
         if weight.shape != (classes,):
             raise ValueError(f"weight must have shape ({classes},), one per class, got {tuple(weight.shape)}")
-        _validate.same_device(logits, "logits", weight=weight)
+        _validate.same_device(logits, "input", weight=weight)
         if weight.requires_grad and torch.is_grad_enabled() and not differentiable:
             raise ValueError("weight requires grad, but cross-entropy over class indices is not differentiable in "
                              "its class weights (nor is torch's): pass weight.detach()")
@@ -452,16 +452,17 @@ def validate_arguments(logits, target, weight, ignore_index, reduction, label_sm
     """Validates the arguments; returns (number of classes, label_smoothing, lse_square_scale and softcap as
     floats, softcap 0.0 for none, probability targets?). With ``sliced`` the logits hold a slice of the classes:
     the number of classes and ``weight`` are left to ``check_classes`` and ``check_weight`` once the whole number
-    is known."""
-    _validate.floating(logits, "logits")
+    is known. Errors name the logits ``input``, the public name. Under ``torch.compile`` the numbers may be
+    symbolic (``_validate``'s module docstring)."""
+    _validate.floating(logits, "input")
     _validate.tensor(target, "target")
     if logits.ndim == 0:
-        raise ValueError("logits must have shape (C,), (N, C) or (N, C, d1, ...), got a 0-d tensor")
+        raise ValueError("input must have shape (C,), (N, C) or (N, C, d1, ...), got a 0-d tensor")
     classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]
     probabilities = target.is_floating_point()
     if probabilities:
         if target.shape != logits.shape:
-            raise ValueError(f"target of class probabilities must have the logits' shape {tuple(logits.shape)}, "
+            raise ValueError(f"target of class probabilities must have the input's shape {tuple(logits.shape)}, "
                              f"got {tuple(target.shape)}")
         if ignore_index != -100:
             raise ValueError("ignore_index is not supported with class-probability targets (floating target)")
@@ -471,43 +472,62 @@ def validate_arguments(logits, target, weight, ignore_index, reduction, label_sm
                             f"floating dtype, got {target.dtype}")
         expected = logits.shape[:1] + logits.shape[2:] if logits.ndim >= 2 else torch.Size()
         if target.shape != expected:
-            raise ValueError(f"target must have shape {tuple(expected)} for logits of shape "
+            raise ValueError(f"target must have shape {tuple(expected)} for input of shape "
                              f"{tuple(logits.shape)}, got {tuple(target.shape)}")
     if not sliced:
         check_classes(classes, logits, target)
         check_weight(weight, classes, logits, differentiable=probabilities)
-    _validate.same_device(logits, "logits", target=target, weight=weight)
+    _validate.same_device(logits, "input", target=target, weight=weight)
     if not _INT64_MIN <= _validate.integer(ignore_index, "ignore_index") <= _INT64_MAX:
         raise ValueError(f"ignore_index must fit in int64 (a class index), got {ignore_index}")
     _validate.one_of(reduction, REDUCTIONS, "reduction")
     label_smoothing = _validate.real(label_smoothing, "label_smoothing")
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        raise ValueError(f"label_smoothing must be in [0, 1], got {float(label_smoothing)}")
     lse_square_scale = _validate.finite(lse_square_scale, "lse_square_scale")
     if lse_square_scale < 0.0:
-        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
+        raise ValueError(f"lse_square_scale must be >= 0, got {float(lse_square_scale)}")
     if softcap is None:
         softcap = 0.0
     else:
         softcap = _validate.real(softcap, "softcap")
-        if not (math.isfinite(softcap) and softcap > 0.0):
-            raise ValueError(f"softcap must be a finite number > 0, or None for no cap; got {softcap}")
+        if not 0.0 < softcap < _validate.INF:  # not math.isfinite: dynamo cannot call it on a symbolic float
+            raise ValueError(f"softcap must be a finite number > 0, or None for no cap; got {float(softcap)}")
     _validate.boolean(return_lse, "return_lse")
     _validate.boolean(inplace_backward, "inplace_backward")
     return classes, label_smoothing, lse_square_scale, softcap, probabilities
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
-                  ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0, *,
-                  lse_square_scale: float = 0.0, softcap: float | None = None, return_lse: bool = False,
-                  backend: str | None = None, inplace_backward: bool = False, process_group=None):
-    """Cross-entropy between ``logits`` and ``target``, like ``F.cross_entropy``, with the options of LLM training.
+def legacy_reduction(size_average, reduce) -> str:
+    """torch's deprecated ``size_average``/``reduce`` pair (each None or a bool) as a ``reduction``, as torch maps
+    them, with a deprecation warning pointing at the caller of the function that calls this one."""
+    for name, value in (("size_average", size_average), ("reduce", reduce)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None (deprecated: use reduction=), got {type(value).__name__}")
+    warnings.warn("size_average and reduce are deprecated, as in torch: use reduction='none'|'mean'|'sum'",
+                  stacklevel=3)
+    if reduce is False:
+        return "none"
+    return "sum" if size_average is False else "mean"
 
-    ``logits`` is (C,), (N, C) or (N, C, d1, ...). ``target`` holds class
-    indices (int64/int32, the logits' shape without C) or class probabilities
-    (a floating tensor of the logits' shape), as in ``F.cross_entropy``, with
-    the same ``weight``, ``ignore_index`` (class indices only), ``reduction``
-    and ``label_smoothing``. The loss is float32 for 16-bit logits (what torch
+
+def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  size_average: bool | None = None, ignore_index: int = -100, reduce: bool | None = None,
+                  reduction: str = "mean", label_smoothing: float = 0.0, *, lse_square_scale: float = 0.0,
+                  softcap: float | None = None, return_lse: bool = False, backend: str | None = None,
+                  inplace_backward: bool = False, process_group=None):
+    """Cross-entropy between ``input`` (the logits) and ``target``, like ``F.cross_entropy``, with the options of
+    LLM training.
+
+    The parameters before ``*`` are ``F.cross_entropy``'s, by name and
+    position, so that a call to it can be swapped for this one: ``input`` is
+    (C,), (N, C) or (N, C, d1, ...). ``target`` holds class indices
+    (int64/int32, the input's shape without C) or class probabilities (a
+    floating tensor of the input's shape), as in ``F.cross_entropy``, with the
+    same ``weight``, ``ignore_index`` (class indices only), ``reduction`` and
+    ``label_smoothing``; torch's deprecated ``size_average`` and ``reduce``
+    (None or a bool) override ``reduction`` as torch maps them, with a
+    deprecation warning. The loss is float32 for 16-bit logits (what torch
     gives under autocast), reduced or not; float32 or float64 otherwise.
 
     ``softcap`` (a finite number > 0, or None): the logits are replaced by
@@ -526,9 +546,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     can be differentiated once: a second backward through it, or double
     backward (``create_graph=True``), raises.
 
-    ``inplace_backward=True`` has the forward write the gradient into ``logits``
-    itself (no gradient buffer at all): after the call ``logits`` holds the
-    gradient, not the logits, and ``logits.grad`` is that same memory after the
+    ``inplace_backward=True`` has the forward write the gradient into ``input``
+    itself (no gradient buffer at all): after the call ``input`` holds the
+    gradient, not the logits, and ``input.grad`` is that same memory after the
     backward. The write bumps the logits' version counter, so autograd raises if
     anything else saved them for its own backward. Logits that are not a
     contiguous (N, C) or (C,) tensor are gathered into a contiguous copy first,
@@ -543,7 +563,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     checking would synchronise) its row's loss and gradient are NaN.
 
     ``process_group`` (a ``torch.distributed`` process group of P ranks):
-    vocabulary-parallel cross-entropy. ``logits`` is this rank's contiguous
+    vocabulary-parallel cross-entropy. ``input`` is this rank's contiguous
     slice of the classes, the ranks' slices in group-rank order (widths may
     differ); ``target`` holds global class ids and ``weight`` (length V, all
     the classes) is the same on every rank. Every rank gets the loss (and lse)
@@ -552,25 +572,32 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     slices' widths are learned by one all-gather (and one host
     synchronisation) the first time a (group, local width) pair is seen, and
     cached: a group's slicing must then stay the same. Class-index targets
-    only. ``logits`` may instead be a DTensor sharded on its class dimension
+    only. ``input`` may instead be a DTensor sharded on its class dimension
     over a 1-D device mesh (``Shard(1)``, or ``Shard(0)`` for (C,) logits),
     as with torch's ``loss_parallel``: its local shard and the mesh's group
     are used, and plain tensors are returned. Not traced by
     ``torch.compile`` (it runs eagerly, a graph break; fullgraph=True fails).
+
+    Inside a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) it
+    raises ``NotImplementedError``.
     """
-    refuse_tangents("cross_entropy", logits=logits, target=target, weight=weight)
+    refuse_transforms("cross_entropy")
+    refuse_tangents("cross_entropy", input=input, target=target, weight=weight)
+    if size_average is not None or reduce is not None:
+        reduction = legacy_reduction(size_average, reduce)
     if inplace_backward is True:
-        refuse_inplace_on_a_leaf(logits)
-    if process_group is not None or _is_dtensor(logits):
+        refuse_inplace_on_a_leaf(input)
+    if process_group is not None or _is_dtensor(input):
         from . import _vocab_parallel
 
         return _vocab_parallel.cross_entropy(
-            logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale=lse_square_scale,
+            input, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale=lse_square_scale,
             softcap=softcap, return_lse=return_lse, backend=backend, inplace_backward=inplace_backward,
             process_group=process_group)
     classes, label_smoothing, lse_square_scale, softcap, probabilities = validate_arguments(
-        logits, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_lse,
+        input, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_lse,
         inplace_backward)
+    logits = input
     backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend))
     if probabilities:
         if inplace_backward:
@@ -657,9 +684,13 @@ def _probability_dtypes(logits, target):
 def _is_dtensor(tensor) -> bool:
     """Whether ``tensor`` is a DTensor (or of a subclass), from its classes' names: without importing
     torch.distributed.tensor, and without reading ``sys.modules``, which torch.compile would trace as a dict that
-    another thread's import can change while it is read."""
-    return any(cls.__name__ == "DTensor" and cls.__module__ == "torch.distributed.tensor"
-               for cls in type(tensor).__mro__)
+    another thread's import can change while it is read. A plain tensor or a Parameter (of any Parameter class:
+    a DTensor made a Parameter keeps its DTensor class) is answered first, without the classes' ``__mro__``, which
+    torch.compile (torch 2.13) cannot iterate for a Parameter."""
+    cls = type(tensor)
+    if cls is torch.Tensor or issubclass(cls, torch.nn.Parameter):
+        return False
+    return any(base.__name__ == "DTensor" and base.__module__ == "torch.distributed.tensor" for base in cls.__mro__)
 
 
 def _probability_targets(logits, target, weight, reduction, label_smoothing, softcap, lse_square_scale, backend):

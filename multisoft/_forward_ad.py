@@ -1,14 +1,20 @@
-"""Forward-mode AD (``torch.autograd.forward_ad``): which inputs carry a tangent.
+"""Forward-mode AD (``torch.autograd.forward_ad``): which inputs carry a tangent; and ``torch.func`` transforms.
 
 A kernel writes through raw pointers, so a dual tensor's tangent would be dropped without a word (forward AD
 then reads it as zero). Every public op therefore asks here first: softmax and log_softmax compute the tangent
 (their autograd Function's ``jvp``), the other ops refuse a tangent by name.
+
+``torch.func``'s transforms (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) wrap tensors that a kernel cannot read
+(and the autograd Functions do not define what the transforms need): every public op refuses to run inside one,
+by name, before anything else (``refuse_transforms``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+
+_transforms_active = torch._C._are_functorch_transforms_active  # what autograd.Function.apply asks too
 
 
 def has_tangent(*tensors) -> bool:
@@ -29,3 +35,15 @@ def refuse_tangents(op: str, **tensors) -> None:
     raise NotImplementedError(
         f"multisoft.{op} does not support forward-mode AD: {name} carries a tangent "
         f"(torch.autograd.forward_ad); compute its forward derivative with torch's own op")
+
+
+def refuse_transforms(op: str) -> None:
+    """Raises NotImplementedError naming ``op`` inside a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``,
+    ``jacrev``, ``jacfwd``, ``hessian``, ...), where it would otherwise fail inside torch with a message about
+    autograd Functions or batching rules, or have a kernel read a wrapped tensor's memory. Whether any transform
+    is active, not whether this op's tensors are wrapped: an autograd Function refuses to run inside one either
+    way. ``torch.func.functional_call`` is not a transform. One call into torch's C++ per op call."""
+    if _transforms_active():
+        raise NotImplementedError(
+            f"multisoft.{op} does not support torch.func transforms (grad, vmap, jvp, jacrev, ...): call it outside "
+            f"the transform (torch.autograd.grad computes its gradient), or use torch's own op inside it")

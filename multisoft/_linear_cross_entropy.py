@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from . import _validate
 from ._cross_entropy import (_broadcast_value, _denominator, _is_dtensor, _lse_gradient, _stats_dtype,
                              check_targets_in_bounds, check_weight, cross_entropy, index_targets, validate_arguments)
-from ._forward_ad import refuse_tangents
+from ._forward_ad import refuse_tangents, refuse_transforms
 from ._registry import get_backend, resolve_name
 
 # A chunk's logits take at most CHUNK_BYTES (or an eighth of all the logits, if less), but a chunk has at least
@@ -490,8 +490,10 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     runs eagerly, a graph break).
 
     ``ignore_index=None`` means -100, as in torch's ``F.linear_cross_entropy``.
-    Forward-mode AD is not supported (a tangent raises).
+    Forward-mode AD is not supported (a tangent raises), nor are ``torch.func``
+    transforms (``NotImplementedError``).
     """
+    refuse_transforms("linear_cross_entropy")
     refuse_tangents("linear_cross_entropy", input=input, linear_weight=linear_weight, linear_bias=linear_bias,
                     weight=weight)
     if ignore_index is None:
@@ -535,9 +537,10 @@ def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, red
     flat_target = index_targets(target, ignore_index)
     rows = input2d.shape[0]
     if rows == 0:
-        return cross_entropy(F.linear(input2d, linear_weight, linear_bias), flat_target, weight, ignore_index,
-                             reduction, label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap or None,
-                             return_lse=return_lse, backend=backend, process_group=process_group)
+        return cross_entropy(F.linear(input2d, linear_weight, linear_bias), flat_target, weight,
+                             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                             lse_square_scale=lse_square_scale, softcap=softcap or None, return_lse=return_lse,
+                             backend=backend, process_group=process_group)
     input2d = input2d.contiguous()
     if weight is not None:
         weight = weight.to(_stats_dtype(input.dtype)).contiguous()

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from . import _validate
-from ._forward_ad import has_tangent
+from ._forward_ad import has_tangent, refuse_transforms
 from ._registry import get_backend, resolve_name
 
 # -- the kernels of one backend on 2-D contiguous rows, into torch-allocated outputs
@@ -162,20 +162,33 @@ def implicit_dim(name: str, ndim: int, stacklevel: int) -> int:
     return 0 if ndim in (0, 1, 3) else 1
 
 
-def _apply(x, dim, dtype, backend, log):
-    _validate.tensor(x, "x")
+def _apply(x, dim, stacklevel, dtype, backend, log):
+    """The public functions' work, ``x`` their ``input``; ``stacklevel`` their third argument: F.softmax's
+    ``_stacklevel`` (the implicit dim's warning is attributed to that frame, counted from the public function as
+    torch counts from its own), or torch.softmax's dtype."""
+    op = "log_softmax" if log else "softmax"
+    refuse_transforms(op)
+    _validate.tensor(x, "input")
+    if type(stacklevel) is not int:
+        if isinstance(stacklevel, torch.dtype):  # torch.softmax(input, dim, dtype): a dtype third
+            if dtype is not None:
+                raise TypeError(f"{op} got two dtypes: {stacklevel} third (torch.softmax's place) and "
+                                f"dtype={dtype}")
+            dtype, stacklevel = stacklevel, 3
+        else:
+            stacklevel = _validate.integer(stacklevel, "_stacklevel")
     dtype = _validate.float_dtype(dtype)
     if dtype is None:
-        _validate.floating(x, "x")  # like torch: an integer x needs a floating dtype= to compute in
+        _validate.floating(x, "input")  # like torch: an integer input needs a floating dtype= to compute in
         dtype = _autocast_dtype(x)
     if dim is None:
-        dim = implicit_dim("log_softmax" if log else "softmax", x.ndim, stacklevel=4)
+        dim = implicit_dim(op, x.ndim, stacklevel=stacklevel + 1)  # + 1: this function's frame
     dim = _validate.dim(dim, x.ndim)
     backend = _validate.backend_name(backend)
     if dtype is not None:
         x = x.to(dtype)
     if x.ndim == 0:
-        return _apply(x.reshape(1), 0, None, backend, log).reshape(())
+        return _apply(x.reshape(1), 0, 3, None, backend, log).reshape(())
     name = resolve_name(x.device, x.dtype, backend)
     if x.numel() == 0:
         return (torch.log_softmax if log else torch.softmax)(x, dim)  # no elements: torch's, autograd and all
@@ -196,22 +209,29 @@ def _apply(x, dim, dtype, backend, log):
     return y if last else y.movedim(-1, dim)
 
 
-def softmax(x: torch.Tensor, dim: int | None = None, *, dtype: torch.dtype | None = None,
-            backend: str | None = None) -> torch.Tensor:
-    """Softmax of ``x`` along ``dim``, like ``torch.nn.functional.softmax``; differentiable.
+def softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int | torch.dtype = 3,
+            dtype: torch.dtype | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Softmax of ``input`` along ``dim``, like ``torch.nn.functional.softmax``; differentiable.
 
-    ``dim=None`` is torch's deprecated implicit choice, with its warning (dim 0
-    for 0-, 1- and 3-dimensional ``x``, else 1): pass ``dim``. ``dtype`` casts
-    ``x`` first (so an integer ``x`` works with a floating ``dtype``, as in
-    torch); without it, under CUDA's ``torch.autocast`` a 16-bit ``x`` gives a
-    float32 result, as torch's does. ``backend`` picks the implementation (see
+    The parameters before ``*`` are ``F.softmax``'s, by name and position, and
+    a call to ``torch.softmax(input, dim, dtype)`` works too: the third may be
+    F's ``_stacklevel`` (an int, the frame the implicit dim's warning names,
+    counted as torch counts it) or a dtype. ``dim=None`` is torch's deprecated
+    implicit choice, with its warning (dim 0 for 0-, 1- and 3-dimensional
+    ``input``, else 1): pass ``dim``. ``dtype`` casts ``input`` first (so an
+    integer ``input`` works with a floating ``dtype``, as in torch); without
+    it, under CUDA's ``torch.autocast`` a 16-bit ``input`` gives a float32
+    result, as torch's does. ``backend`` picks the implementation (see
     ``multisoft.use_backend``). Arithmetic is float32 for 16-bit inputs. Double
-    backward (``create_graph=True``) and forward-mode AD work.
+    backward (``create_graph=True``) and forward-mode AD
+    (``torch.autograd.forward_ad``) work; inside a ``torch.func`` transform it
+    raises ``NotImplementedError``.
     """
-    return _apply(x, dim, dtype, backend, log=False)
+    return _apply(input, dim, _stacklevel, dtype, backend, log=False)
 
 
-def log_softmax(x: torch.Tensor, dim: int | None = None, *, dtype: torch.dtype | None = None,
-                backend: str | None = None) -> torch.Tensor:
-    """Log-softmax of ``x`` along ``dim``, like ``torch.nn.functional.log_softmax``; arguments as ``softmax``."""
-    return _apply(x, dim, dtype, backend, log=True)
+def log_softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int | torch.dtype = 3,
+                dtype: torch.dtype | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Log-softmax of ``input`` along ``dim``, like ``torch.nn.functional.log_softmax``; arguments as
+    ``softmax``."""
+    return _apply(input, dim, _stacklevel, dtype, backend, log=True)

@@ -1,4 +1,14 @@
-"""Argument checks shared by the public functions: each error names the argument."""
+"""Argument checks shared by the public functions: each error names the argument.
+
+Under ``torch.compile(dynamic=True)`` a number argument (and a default read from a function's defaults) is traced
+as a symbolic number (``torch.SymFloat``, ``torch.SymInt``), which dynamo reports as a ``float`` or an ``int``.
+The checks here take both and never call what dynamo cannot trace on one (``math.isfinite``): a type check passes
+it, a comparison becomes a guard of the compiled graph, and it is returned as it is. dynamo traces a NaN or
+infinite float as a constant, which the checks see; and multisoft's custom ops take Python floats, so dynamo
+specialises a float option where it reaches one (a guard on its value): another value, NaN and infinity included,
+recompiles and is checked in that trace. Error messages format a traced number through ``float()``/``int()``,
+which dynamo can put in a string (an f-string of the symbolic number itself it cannot).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,8 @@ import math
 import numbers
 
 import torch
+
+INF = math.inf
 
 
 def tensor(value, name: str) -> torch.Tensor:
@@ -30,30 +42,39 @@ def float_dtype(dtype, name: str = "dtype") -> torch.dtype | None:
 
 
 def dim(value, ndim: int, name: str = "dim") -> int:
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = integer(value, name)
     rank = max(ndim, 1)
     if not -rank <= value < rank:
-        raise ValueError(f"{name}={value} is out of range for a tensor of {ndim} dimension(s)")
-    return int(value) % rank
+        raise ValueError(f"{name}={int(value)} is out of range for a tensor of {ndim} dimension(s)")
+    return value % rank
 
 
 def integer(value, name: str) -> int:
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+    """An int (a bool is not one); a symbolic one (``torch.SymInt``) as it is."""
+    if type(value) is int or isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return int(value)
 
 
 def real(value, name: str) -> float:
-    if type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+    """A real number (a bool is not one) as a float; a symbolic one as a ``torch.SymFloat``."""
+    if type(value) is float:
+        return value
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return torch.sym_float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
 
 
 def finite(value, name: str) -> float:
+    """A finite real number (``real``). A comparison, not ``math.isfinite``, which dynamo cannot call on a
+    symbolic float; NaN fails it too."""
     value = real(value, name)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+    if not -INF < value < INF:
+        raise ValueError(f"{name} must be finite, got {float(value)}")
     return value
 
 

@@ -152,28 +152,28 @@ def _replicated_local(tensor, name: str):
 
 
 def _from_dtensor(logits, target, weight, process_group):
-    """A DTensor ``logits`` sharded on its class dimension over a 1-D mesh: (local shard, target, weight, the
-    mesh's group); plain tensors pass through."""
+    """A DTensor ``logits`` (the public function's ``input``) sharded on its class dimension over a 1-D mesh:
+    (local shard, target, weight, the mesh's group); plain tensors pass through."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(logits, DTensor):
         for name, tensor in (("target", target), ("weight", weight)):
             if isinstance(tensor, DTensor):
-                raise ValueError(f"{name} is a DTensor but logits is not: pass plain tensors with process_group, "
-                                 f"or logits as a DTensor sharded on its class dimension")
+                raise ValueError(f"{name} is a DTensor but input is not: pass plain tensors with process_group, "
+                                 f"or input as a DTensor sharded on its class dimension")
         return logits, target, weight, process_group
     mesh, placements = logits.device_mesh, logits.placements
     class_dim = 1 if logits.ndim >= 2 else 0
     sharded = (mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard()
                and logits.ndim > 0 and placements[0].dim % logits.ndim == class_dim)
     if not sharded:
-        raise ValueError(f"logits as a DTensor must be sharded on its class dimension (placements "
+        raise ValueError(f"input as a DTensor must be sharded on its class dimension (placements "
                          f"(Shard({class_dim}),)) over a 1-D device mesh; got placements {placements} on a "
                          f"{mesh.ndim}-D mesh")
     group = mesh.get_group()
     if process_group is not None and (dist.get_process_group_ranks(process_group)
                                       != dist.get_process_group_ranks(group)):
-        raise ValueError("process_group is not the group of the logits' device mesh: leave it None for a DTensor")
+        raise ValueError("process_group is not the group of the input's device mesh: leave it None for a DTensor")
     return logits.to_local(), _replicated_local(target, "target"), _replicated_local(weight, "weight"), group
 
 

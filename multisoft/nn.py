@@ -3,17 +3,15 @@ fused ``LinearCrossEntropyLoss``."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from ._cross_entropy import cross_entropy
+from ._cross_entropy import cross_entropy, legacy_reduction
 from ._linear_cross_entropy import linear_cross_entropy
 from ._softmax import log_softmax, softmax
 
 
 class Softmax(torch.nn.Module):
-    """``torch.nn.Softmax`` on multisoft's kernels: ``multisoft.softmax(x, dim)``.
+    """``torch.nn.Softmax`` on multisoft's kernels: ``multisoft.softmax(input, dim)``.
 
     ``dim=None`` (the default, as torch's) is torch's deprecated implicit choice,
     with its warning: give ``dim``. ``backend`` picks the implementation for every
@@ -24,31 +22,23 @@ class Softmax(torch.nn.Module):
         super().__init__()
         self.dim, self.backend = dim, backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return softmax(x, self.dim, backend=self.backend)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return softmax(input, self.dim, _stacklevel=5, backend=self.backend)  # the frame torch's module names
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, backend={self.backend!r}"
 
 
 class LogSoftmax(Softmax):
-    """``torch.nn.LogSoftmax`` on multisoft's kernels: ``multisoft.log_softmax(x, dim)``; arguments as ``Softmax``."""
+    """``torch.nn.LogSoftmax`` on multisoft's kernels: ``multisoft.log_softmax(input, dim)``; arguments as
+    ``Softmax``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return log_softmax(x, self.dim, backend=self.backend)
-
-
-def _legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
-    """torch's deprecated ``size_average``/``reduce`` pair as a ``reduction`` (as ``torch.nn`` maps them)."""
-    warnings.warn("size_average and reduce are deprecated, as in torch: use reduction='none'|'mean'|'sum'",
-                  stacklevel=3)
-    if reduce is False:
-        return "none"
-    return "sum" if size_average is False else "mean"
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return log_softmax(input, self.dim, _stacklevel=5, backend=self.backend)
 
 
 class CrossEntropyLoss(torch.nn.Module):
-    """``torch.nn.CrossEntropyLoss`` on multisoft's kernels: ``multisoft.cross_entropy(logits, target, ...)``.
+    """``torch.nn.CrossEntropyLoss`` on multisoft's kernels: ``multisoft.cross_entropy(input, target, ...)``.
 
     The positional order is torch's (``weight, size_average, ignore_index,
     reduce, reduction, label_smoothing``; the two deprecated ones map to a
@@ -69,16 +59,16 @@ class CrossEntropyLoss(torch.nn.Module):
                  process_group=None):
         super().__init__()
         if size_average is not None or reduce is not None:
-            reduction = _legacy_reduction(size_average, reduce)
+            reduction = legacy_reduction(size_average, reduce)
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.lse_square_scale, self.softcap, self.return_lse = lse_square_scale, softcap, return_lse
         self.backend, self.inplace_backward, self.process_group = backend, inplace_backward, process_group
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor):
-        return cross_entropy(logits, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
-                             lse_square_scale=self.lse_square_scale, softcap=self.softcap,
-                             return_lse=self.return_lse, backend=self.backend,
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
+        return cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction,
+                             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+                             softcap=self.softcap, return_lse=self.return_lse, backend=self.backend,
                              inplace_backward=self.inplace_backward, process_group=self.process_group)
 
     def extra_repr(self) -> str:

@@ -184,17 +184,17 @@ def test_info_runs():
 
 
 @pytest.mark.parametrize("call, error, pattern", [
-    (lambda: multisoft.softmax(torch.arange(4), -1), TypeError, "x must have a floating dtype"),
-    (lambda: multisoft.softmax([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+    (lambda: multisoft.softmax(torch.arange(4), -1), TypeError, "input must have a floating dtype"),
+    (lambda: multisoft.softmax([1.0, 2.0]), TypeError, "input must be a torch.Tensor"),
     (lambda: multisoft.softmax(torch.randn(2, 3), dim=2), ValueError, "dim=2 is out of range"),
     (lambda: multisoft.softmax(torch.randn(2, 3), dim=1.0), TypeError, "dim must be an int"),
     (lambda: multisoft.log_softmax(torch.randn(2, 3), -1, dtype=torch.int32), TypeError, "dtype must be"),
     (lambda: multisoft.cross_entropy(torch.arange(6).view(2, 3), torch.zeros(2, dtype=torch.long)),
-     TypeError, "logits must have a floating dtype"),
+     TypeError, "input must have a floating dtype"),
     (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2, dtype=torch.int16)), TypeError,
      "target must hold class"),
     (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(2)), ValueError,
-     "target of class probabilities must have the logits' shape"),
+     "target of class probabilities must have the input's shape"),
     (lambda: multisoft.cross_entropy(torch.randn(2, 3), torch.zeros(3, dtype=torch.long)),
      ValueError, r"target must have shape \(2,\)"),
     (lambda: multisoft.cross_entropy(torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)),

@@ -6,6 +6,9 @@ version counter), so every misuse raises, on every backend.
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,7 +90,7 @@ def test_zero_classes_raise():
     for logits, target in [(torch.randn(4, 0), torch.zeros(4, dtype=torch.long)),
                            (torch.randn(0), torch.tensor(0)),
                            (torch.randn(2, 0, 3), torch.zeros(2, 3, dtype=torch.long))]:
-        with pytest.raises(ValueError, match="logits has no classes"):
+        with pytest.raises(ValueError, match="input has no classes"):
             multisoft.cross_entropy(logits, target)
 
 
@@ -98,16 +101,197 @@ def test_no_rows_give_torchs_answers():
                                    F.cross_entropy(logits, target, reduction=reduction), equal_nan=True)
 
 
+def _positional_or_keyword(function):
+    """(name, default) of each parameter a call can give by position or by name, in order."""
+    return [(p.name, p.default) for p in inspect.signature(function).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+SAME_SIGNATURES = {  # multisoft's -> torch's
+    "softmax": (multisoft.softmax, F.softmax),
+    "log_softmax": (multisoft.log_softmax, F.log_softmax),
+    "cross_entropy": (multisoft.cross_entropy, F.cross_entropy),
+    "linear_cross_entropy": (multisoft.linear_cross_entropy, getattr(F, "linear_cross_entropy", None)),
+    "nn.Softmax": (multisoft.nn.Softmax.__init__, torch.nn.Softmax.__init__),
+    "nn.Softmax.forward": (multisoft.nn.Softmax.forward, torch.nn.Softmax.forward),
+    "nn.LogSoftmax.forward": (multisoft.nn.LogSoftmax.forward, torch.nn.LogSoftmax.forward),
+    "nn.CrossEntropyLoss": (multisoft.nn.CrossEntropyLoss.__init__, torch.nn.CrossEntropyLoss.__init__),
+    "nn.CrossEntropyLoss.forward": (multisoft.nn.CrossEntropyLoss.forward, torch.nn.CrossEntropyLoss.forward),
+}
+
+
+@pytest.mark.parametrize("name", SAME_SIGNATURES)
+def test_torchs_parameter_names_positions_and_defaults(name):
+    """Every parameter a call to torch's function can give by position or by name is multisoft's too, in the same
+    place with the same default; multisoft's own options are keyword-only. Where torch has no
+    F.linear_cross_entropy (2.13 has one), multisoft's are checked against the names that one takes by position:
+    input, linear_weight, target."""
+    ours, theirs = SAME_SIGNATURES[name]
+    if theirs is None:
+        assert name == "linear_cross_entropy"
+        assert _positional_or_keyword(ours) == [("input", inspect.Parameter.empty),
+                                                ("linear_weight", inspect.Parameter.empty),
+                                                ("target", inspect.Parameter.empty)]
+        return
+    assert _positional_or_keyword(ours) == _positional_or_keyword(theirs)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @on_each_backend
-def test_weight_and_the_rest_positionally_as_in_torch(backend):
+def test_softmax_calls_by_torchs_names_and_positions(backend, log):
+    """F.softmax(input=, dim=), F.softmax(input, dim, _stacklevel, dtype), torch.softmax(input, dim, dtype) and
+    the modules' forward(input=) give torch's values; a dtype given twice, or a third argument that is neither,
+    raises naming it."""
+    ours, functional, function = ((multisoft.log_softmax, F.log_softmax, torch.log_softmax) if log
+                                  else (multisoft.softmax, F.softmax, torch.softmax))
+    module = (multisoft.nn.LogSoftmax if log else multisoft.nn.Softmax)(1, backend=backend)
+    x = torch.randn(3, 20, device=DEVICE) * 3
+    integers = torch.randint(-5, 5, (3, 20), device=DEVICE)
+    calls = {  # what: (ours, torch's on float64)
+        "input=, dim=": (ours(input=x, dim=1, backend=backend), functional(input=x.double(), dim=1)),
+        "_stacklevel third": (ours(x, 1, 3, backend=backend), functional(x.double(), 1, 3)),
+        "_stacklevel=": (ours(x, 0, _stacklevel=4, backend=backend), functional(x.double(), 0, _stacklevel=4)),
+        "F's dtype fourth": (ours(integers, 1, 3, torch.float32, backend=backend), functional(integers.double(), 1)),
+        "torch's dtype third": (ours(integers, 1, torch.float32, backend=backend), function(integers.double(), 1)),
+        "module(input=)": (module(input=x), functional(x.double(), 1)),
+    }
+    for what, (got, expected) in calls.items():
+        assert got.dtype == torch.float32, what
+        assert_close(got, expected, torch.float32, what)
+    name = "log_softmax" if log else "softmax"
+    with pytest.raises(TypeError, match=f"{name} got two dtypes"):
+        ours(x, 1, torch.float32, torch.float32, backend=backend)
+    with pytest.raises(TypeError, match="_stacklevel must be an int, got str"):
+        ours(x, 1, "3", backend=backend)
+
+
+@on_each_backend
+def test_cross_entropy_calls_by_torchs_names_and_positions(backend):
+    """F.cross_entropy's arguments by name and by position (size_average and reduce fourth and sixth, as torch's:
+    deprecated, they override reduction as torch maps them, with a warning); the module's forward(input=,
+    target=); linear_cross_entropy by F.linear_cross_entropy's names. A call in the order that leaves size_average
+    and reduce out (ignore_index fourth) raises naming size_average, rather than run with other options."""
     logits = torch.randn(7, 30, device=DEVICE)
     target = torch.randint(0, 30, (7,), device=DEVICE)
     target[2] = 5
     weight = torch.rand(30, device=DEVICE) + 0.5
-    loss = multisoft.cross_entropy(logits, target, weight, 5, "sum", 0.1, backend=backend)
-    expected = F.cross_entropy(logits.double(), target, weight.double(), ignore_index=5, reduction="sum",
-                               label_smoothing=0.1)
+    logits64, weight64 = logits.double(), weight.double()
+    expected = F.cross_entropy(logits64, target, weight64, None, 5, None, "sum", 0.1)
+    by_name = multisoft.cross_entropy(input=logits, target=target, weight=weight, size_average=None, ignore_index=5,
+                                      reduce=None, reduction="sum", label_smoothing=0.1, backend=backend)
+    assert_close(by_name, expected, torch.float32, "by name")
+    by_position = multisoft.cross_entropy(logits, target, weight, None, 5, None, "sum", 0.1, backend=backend)
+    assert_close(by_position, expected, torch.float32, "by position")
+    module = multisoft.nn.CrossEntropyLoss(weight, None, 5, None, "sum", 0.1, backend=backend)
+    assert_close(module(input=logits, target=target), expected, torch.float32, "module(input=, target=)")
+    for size_average, reduce in ((False, None), (None, False), (True, True), (False, True)):
+        with pytest.warns(UserWarning, match="size_average and reduce are deprecated"):
+            ours = multisoft.cross_entropy(logits, target, weight, size_average, 5, reduce, backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = F.cross_entropy(logits64, target, weight64, size_average, 5, reduce)
+        assert_close(ours, theirs, torch.float32, f"size_average={size_average}, reduce={reduce}")
+    with pytest.raises(TypeError, match="size_average must be a bool or None"):
+        multisoft.cross_entropy(logits, target, weight, 5, "sum", 0.1, backend=backend)
+    hidden, linear_weight = torch.randn(7, 4, device=DEVICE), torch.randn(30, 4, device=DEVICE)
+    ours = multisoft.linear_cross_entropy(input=hidden, linear_weight=linear_weight, target=target, weight=weight,
+                                          reduction="sum", ignore_index=5, label_smoothing=0.1, backend=backend)
+    theirs = F.cross_entropy(hidden.double() @ linear_weight.double().t(), target, weight64, ignore_index=5,
+                             reduction="sum", label_smoothing=0.1)
+    assert_close(ours, theirs, torch.float32, "linear_cross_entropy by name")
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_implicit_dim_warning_names_the_frame_torchs_does(log):
+    """F.softmax's _stacklevel picks the frame its implicit-dim warning names; multisoft's, given the same, names
+    the same frame (here a line in this file), and its module the one torch's module names."""
+    x = torch.randn(2, 3)
+    ours, theirs = (multisoft.log_softmax, F.log_softmax) if log else (multisoft.softmax, F.softmax)
+
+    def located(call):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        (warning,) = [w for w in caught if "Implicit dimension choice" in str(w.message)]
+        return warning.filename, warning.lineno
+
+    def through_one_frame(op, *level):  # level 3 names the line below, 4 the caller's (in `located`)
+        return op(x, None, *level)
+
+    for level in ((), (3,), (4,)):
+        assert located(lambda: through_one_frame(ours, *level)) == located(lambda: through_one_frame(theirs, *level))
+    assert located(lambda: through_one_frame(ours))[0] == __file__
+    modules = (multisoft.nn.LogSoftmax(), torch.nn.LogSoftmax()) if log else (multisoft.nn.Softmax(),
+                                                                              torch.nn.Softmax())
+    assert located(lambda: modules[0](x)) == located(lambda: modules[1](x))
+
+
+# -- torch.func
+
+
+def _ops_under_a_transform():
+    """op name -> a function of one tensor that calls it, and that tensor."""
+    x = torch.randn(3, 7)
+    target = torch.tensor([0, 6, 2])
+    layout = torch.tensor([[[1, 0], [1, 1]]])
+    blocks = torch.randn(1, 3, 16, 16)
+    return {
+        "softmax": (lambda t: multisoft.softmax(t, -1, backend="torch"), x),
+        "log_softmax": (lambda t: multisoft.log_softmax(t, -1, backend="torch"), x),
+        "cross_entropy": (lambda t: multisoft.cross_entropy(t, target, reduction="none", backend="torch"), x),
+        "cross_entropy-probabilities": (lambda t: multisoft.cross_entropy(t, torch.softmax(x, 1), reduction="none",
+                                                                          backend="torch"), x),
+        "linear_cross_entropy": (lambda t: multisoft.linear_cross_entropy(t, x, target, reduction="none",
+                                                                          backend="torch"), torch.randn(3, 7)),
+        "blocksparse_softmax": (lambda t: multisoft.blocksparse_softmax(t, layout, 16, backend="torch"), blocks),
+        "blocksparse_softmax_backward": (lambda t: multisoft.blocksparse_softmax_backward(
+            torch.softmax(blocks, -1), t, layout, 16, backend="torch"), blocks),
+        "nn.Softmax": (multisoft.nn.Softmax(-1, backend="torch"), x),
+        "nn.CrossEntropyLoss": (lambda t: multisoft.nn.CrossEntropyLoss(backend="torch")(t, target), x),
+    }
+
+
+TRANSFORMS = {
+    "grad": lambda f, t: torch.func.grad(lambda u: f(u).sum())(t),
+    "vmap": lambda f, t: torch.func.vmap(f)(t.unsqueeze(0)),
+    "jvp": lambda f, t: torch.func.jvp(f, (t,), (torch.ones_like(t),)),
+    "jacrev": lambda f, t: torch.func.jacrev(lambda u: f(u).sum())(t),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("op", list(_ops_under_a_transform()))
+def test_torch_func_transforms_raise_naming_the_op(op, transform):
+    """Inside a torch.func transform every op raises NotImplementedError saying so, before any kernel runs."""
+    function, tensor = _ops_under_a_transform()[op]
+    name = op.split("-")[0].replace("nn.CrossEntropyLoss", "cross_entropy").replace("nn.Softmax", "softmax")
+    with pytest.raises(NotImplementedError, match=rf"multisoft\.{name} does not support torch\.func transforms"):
+        TRANSFORMS[transform](function, tensor)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(4, 9)
+        self.loss = multisoft.nn.LinearCrossEntropyLoss(backend="torch")
+
+    def forward(self, hidden, target):
+        return self.loss(hidden, self.lm_head.weight, target, self.lm_head.bias)
+
+
+def test_functional_call_is_not_a_transform():
+    """torch.func.functional_call runs a module with other parameters: multisoft's ops run there, and autograd
+    gives those parameters their gradients."""
+    hidden, target = torch.randn(5, 4), torch.tensor([0, 8, 3, 3, 1])
+    weight, bias = torch.randn(9, 4, requires_grad=True), torch.randn(9, requires_grad=True)
+    loss = torch.func.functional_call(_Head(), {"lm_head.weight": weight, "lm_head.bias": bias}, (hidden, target))
+    loss.backward()
+    weight64, bias64 = weight.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    expected = F.cross_entropy(F.linear(hidden.double(), weight64, bias64), target)
+    expected.backward()
     assert_close(loss, expected, torch.float32, "loss")
+    assert_close(weight.grad, weight64.grad, torch.float32, "weight.grad")
+    assert_close(bias.grad, bias64.grad, torch.float32, "bias.grad")
 
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
@@ -118,7 +302,7 @@ def test_integer_input_with_a_floating_dtype(backend, log):
     y = op(x, 1, dtype=torch.float32, backend=backend)
     assert y.dtype == torch.float32
     assert_close(y, torch_op(x.double(), 1), torch.float32, "forward")
-    with pytest.raises(TypeError, match="x must have a floating dtype"):
+    with pytest.raises(TypeError, match="input must have a floating dtype"):
         op(x, 1, backend=backend)
 
 
@@ -178,7 +362,7 @@ def test_class_probability_targets_refuse_what_torch_refuses():
     logits = torch.randn(4, 6)
     with pytest.raises(ValueError, match="ignore_index"):
         multisoft.cross_entropy(logits, torch.rand(4, 6), ignore_index=1)
-    with pytest.raises(ValueError, match="logits' shape"):
+    with pytest.raises(ValueError, match="input's shape"):
         multisoft.cross_entropy(logits, torch.rand(4, 5))
     with pytest.raises(ValueError, match="inplace_backward"):
         multisoft.cross_entropy(logits.requires_grad_() * 1.0, torch.rand(4, 6), inplace_backward=True)

@@ -286,7 +286,7 @@ def _dtensor(report, ranks, backend, device):
         assert_close(sharded.grad.full_tensor(), expected_grad, torch.float32, f"DTensor {placement}: gradient")
     replicated = distribute_tensor(whole, mesh, [Replicate()])
     _raises(ValueError, "sharded on its class dimension", multisoft.cross_entropy, replicated, target)
-    _raises(ValueError, "target is a DTensor but logits is not", multisoft.cross_entropy, ranks.part(whole),
+    _raises(ValueError, "target is a DTensor but input is not", multisoft.cross_entropy, ranks.part(whole),
             distribute_tensor(target, mesh, [Replicate()]), process_group=ranks.group)
 
 
