@@ -141,6 +141,29 @@ def test_dense_helpers_follow_a_layout_written_in_place(how):
         assert torch.equal(back[mask], dense[mask]) and (back[~mask] == -3.0).all()
 
 
+def test_what_a_call_with_a_cached_layout_runs_to_find_its_table():
+    """An unchanged CPU layout costs one torch.equal on the host; a BlockSparseLayout nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from multisoft._blocksparse import lookup_table
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    layout = torch.tensor(FIRST)
+    fixed = multisoft.BlockSparseLayout(layout, B)
+    first, owned = lookup_table(layout, B, DEVICE), lookup_table(fixed, B, DEVICE)
+    with Ops() as ops:
+        assert lookup_table(layout, B, DEVICE) is first and lookup_table(fixed, B, DEVICE) is owned
+    assert ops.names == ["aten.equal.default"]
+
+
 # -- BlockSparseLayout
 
 
