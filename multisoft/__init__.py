@@ -8,6 +8,7 @@ kernel framework is imported until a backend runs.
 from . import nn
 from ._registry import BackendInfo, BackendUnavailableError, available_backends, backends, use_backend
 from ._blocksparse import (
+    BlockSparseLayout,
     BlockSparseLUT,
     blocksparse_from_dense,
     blocksparse_softmax,
@@ -24,6 +25,7 @@ __all__ = [
     "BackendInfo",
     "BackendUnavailableError",
     "BlockSparseLUT",
+    "BlockSparseLayout",
     "available_backends",
     "backends",
     "blocksparse_from_dense",
