@@ -408,7 +408,7 @@ def blocksparse_softmax(x: torch.Tensor, layout: torch.Tensor | BlockSparseLayou
     refuse_tangents("blocksparse_softmax", x=x)
     scale = _validate.finite(scale, "scale")
     is_causal = _validate.boolean(is_causal, "is_causal")
-    name = resolve_name(x.device, x.dtype, _validate.backend_name(backend))
+    name = resolve_name(x.device, x.dtype, _validate.backend_name(backend), "blocksparse")
     x = x.contiguous()
     if torch.compiler.is_compiling():
         return blocksparse_forward_op(x, *_op_layout(layout, block), scale, is_causal, name)
@@ -435,7 +435,7 @@ def blocksparse_softmax_backward(y: torch.Tensor, dy: torch.Tensor, layout: torc
     if dy.shape != y.shape:
         raise ValueError(f"dy must have y's shape {tuple(y.shape)}, got {tuple(dy.shape)}")
     scale = _validate.finite(scale, "scale")
-    name = resolve_name(y.device, y.dtype, _validate.backend_name(backend))
+    name = resolve_name(y.device, y.dtype, _validate.backend_name(backend), "blocksparse")
     lut = _table(layout, block, y.device, lambda lut: _check_blocks(y, "y", lut))   # dy has y's shape
     return _backward(y.contiguous(), dy, lut, scale, name)
 

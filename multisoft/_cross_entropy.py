@@ -598,7 +598,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         input, target, weight, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_lse,
         inplace_backward)
     logits = input
-    backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend))
+    backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend), "cross_entropy")
     if probabilities:
         if inplace_backward:
             raise ValueError("inplace_backward=True is not supported with class-probability targets")

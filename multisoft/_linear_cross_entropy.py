@@ -532,7 +532,7 @@ def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, red
     label_smoothing, lse_square_scale, softcap, layout = _check(
         input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
         lse_square_scale, softcap, return_lse, chunk_size, process_group)
-    backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend))
+    backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend), "cross_entropy")
     input2d = input.reshape(target.numel(), input.shape[-1])
     flat_target = index_targets(target, ignore_index)
     rows = input2d.shape[0]

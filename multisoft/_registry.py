@@ -3,9 +3,10 @@
 Backends are packages found by name (top-level ``multisoft_<name>``) or
 through the entry-point group ``multisoft.backends``; they are imported only when first
 needed, and their kernel modules only when first called. The automatic choice
-takes the highest-priority backend that can run a call, never one that declares
-``AUTOMATIC = False`` (those run only when named). See ``backends/README.md``
-for the contract.
+takes the highest-priority backend that can run a call and implements its op, never
+one that declares ``AUTOMATIC = False`` (those run only when named). A backend may
+implement a subset of the ops (``OPS`` in its ``__init__.py``; every op when it
+declares none). See ``backends/README.md`` for the contract.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-OPS = ("softmax", "cross_entropy", "blocksparse")
+OPS = ("softmax", "cross_entropy", "blocksparse")  # the kernel modules of the contract, one per op
 ENV_VAR = "MULTISOFT_BACKEND"
 ENTRY_POINT_GROUP = "multisoft.backends"
 PACKAGE_PREFIX = "multisoft_"
@@ -62,6 +63,22 @@ class Backend:
     @property
     def install_hint(self) -> str:
         return getattr(self.module, "INSTALL", f"install the package {self.package}")
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The ops this backend implements, in ``OPS`` order: its package's ``OPS`` (every op when it declares none).
+        Read from its ``__init__.py``: no kernel module or framework is imported. An op this front does not know
+        (a backend newer than the front) is left out."""
+        declared = getattr(self.module, "OPS", OPS)
+        if isinstance(declared, str) or not all(isinstance(op, str) for op in declared):
+            raise TypeError(f"backend {self.name!r}: OPS must be a tuple of op names (of {OPS}), got {declared!r}")
+        return tuple(op for op in OPS if op in declared)
+
+    def supports(self, op: str) -> bool:
+        """Whether this backend implements ``op`` (one of ``OPS``), without importing its framework."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        return op in self.ops
 
     def version(self) -> str | None:
         return self.module.version()
@@ -168,8 +185,12 @@ def use_backend(name: str) -> Iterator[None]:
         _current.reset(token)
 
 
-def _require(name: str, device: torch.device, dtype: torch.dtype, chosen_by: str = "") -> Backend:
+def _require(name: str, device: torch.device, dtype: torch.dtype, op: str | None, chosen_by: str = "") -> Backend:
     backend = get_backend(name)
+    if op is not None and not backend.supports(op):
+        others = ", ".join(b.name for b in _default_backends() if b.supports(op)) or "none"
+        raise BackendUnavailableError(f"{chosen_by}backend {name!r} does not implement {op} (it implements "
+                                      f"{', '.join(backend.ops) or 'no op'}); backends that implement {op}: {others}")
     reason = backend.unavailable_reason(device, dtype)
     if reason is not None:
         raise BackendUnavailableError(f"{chosen_by}backend {name!r} cannot run on {device} with {dtype}: {reason}")
@@ -189,16 +210,21 @@ def environment_backends(value: str) -> list[str]:
     return names
 
 
-def resolve(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> Backend:
-    """The backend for a call: argument, then use_backend, then $MULTISOFT_BACKEND, then the automatic choice (the
-    highest-priority backend that can run, skipping those with ``AUTOMATIC = False``)."""
+def resolve(device: torch.device, dtype: torch.dtype, backend: str | None = None, op: str | None = None) -> Backend:
+    """The backend for a call of ``op`` (one of ``OPS``): argument, then use_backend, then $MULTISOFT_BACKEND, then
+    the automatic choice (the highest-priority backend that implements ``op`` and can run, skipping those with
+    ``AUTOMATIC = False``). A list in $MULTISOFT_BACKEND and the automatic choice pass over a backend that does not
+    implement ``op``; one named alone raises BackendUnavailableError. ``op=None`` asks about the device and dtype
+    only. Cached per (backend, $MULTISOFT_BACKEND, device, dtype, op)."""
     if backend is None:
         backend = _current.get()
     env = os.environ.get(ENV_VAR, "") if backend is None else None
-    key = (backend, env, device, dtype)
+    key = (backend, env, device, dtype, op)
     found = _resolved.get(key)
     if found is None:
-        found = _resolve(device, dtype, backend, env.strip() if env is not None else "")
+        if op is not None and op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        found = _resolve(device, dtype, backend, env.strip() if env is not None else "", op)
         _resolved[key] = found
     return found
 
@@ -210,27 +236,28 @@ def clear_caches() -> None:
         backend._reasons.clear()
 
 
-def _resolve(device: torch.device, dtype: torch.dtype, backend: str | None, env: str) -> Backend:
+def _resolve(device: torch.device, dtype: torch.dtype, backend: str | None, env: str, op: str | None) -> Backend:
     if backend is not None:
-        return _require(backend, device, dtype)
+        return _require(backend, device, dtype, op)
     names = environment_backends(env) if env else []
     if len(names) == 1:
-        return _require(names[0], device, dtype, f"{ENV_VAR}={env!r}: ")
+        return _require(names[0], device, dtype, op, f"{ENV_VAR}={env!r}: ")
     if names:
         candidates = [get_backend(n) for n in names]
     else:
         candidates = [b for b in _default_backends() if b.automatic]
     for candidate in candidates:
-        if candidate.unavailable_reason(device, dtype) is None:
+        if (op is None or candidate.supports(op)) and candidate.unavailable_reason(device, dtype) is None:
             return candidate
+    what = "" if op is None else f" {op}"
     if names:
-        raise BackendUnavailableError(f"no backend of {ENV_VAR}={env!r} can run on {device} with {dtype}")
-    raise BackendUnavailableError(f"no installed backend can run on {device} with {dtype}")
+        raise BackendUnavailableError(f"no backend of {ENV_VAR}={env!r} can run{what} on {device} with {dtype}")
+    raise BackendUnavailableError(f"no installed backend can run{what} on {device} with {dtype}")
 
 
-def resolve_name(device: torch.device, dtype: torch.dtype, backend: str | None = None) -> str:
+def resolve_name(device: torch.device, dtype: torch.dtype, backend: str | None = None, op: str | None = None) -> str:
     """``resolve(...).name``; under torch.compile it runs once, at trace time, as a constant."""
-    return resolve(device, dtype, backend).name
+    return resolve(device, dtype, backend, op).name
 
 
 # What torch.compiler.assume_constant_result(resolve_name) does, without importing torch._dynamo (and
@@ -248,6 +275,7 @@ class BackendInfo:
     automatic: bool               # False: never chosen automatically, only by name
     unavailable_reason: str | None  # why it cannot run on the device and dtype asked about; None when it can
     notes: tuple[str, ...]        # what ``python -m multisoft info`` prints under it
+    ops: tuple[str, ...]          # the ops it implements (of OPS); a backend may implement a subset
 
     @property
     def available(self) -> bool:
@@ -265,13 +293,14 @@ def backends(device: torch.device | str | None = None, dtype: torch.dtype = torc
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     device = _default_device() if device is None else torch.device(device)
     return [BackendInfo(b.name, b.version(), b.priority, b.automatic, b.unavailable_reason(device, dtype),
-                        tuple(b.notes())) for b in _default_backends()]
+                        tuple(b.notes()), b.ops) for b in _default_backends()]
 
 
 def available_backends(op: str | None = None) -> list[str]:
     """Backends installed here that can run on this machine's default device, best first (those chosen only by
-    name, such as ``reference``, included)."""
+    name, such as ``reference``, included); with ``op`` (one of ``OPS``), only those that implement it."""
     if op is not None and op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     device = _default_device()
-    return [b.name for b in _default_backends() if b.unavailable_reason(device, torch.float32) is None]
+    return [b.name for b in _default_backends()
+            if (op is None or b.supports(op)) and b.unavailable_reason(device, torch.float32) is None]

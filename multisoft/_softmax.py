@@ -189,7 +189,7 @@ def _apply(x, dim, stacklevel, dtype, backend, log):
         x = x.to(dtype)
     if x.ndim == 0:
         return _apply(x.reshape(1), 0, 3, None, backend, log).reshape(())
-    name = resolve_name(x.device, x.dtype, backend)
+    name = resolve_name(x.device, x.dtype, backend, "softmax")
     if x.numel() == 0:
         return (torch.log_softmax if log else torch.softmax)(x, dim)  # no elements: torch's, autograd and all
     last = dim == x.ndim - 1

@@ -403,7 +403,7 @@ def cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothi
     if probabilities:
         raise ValueError("target must hold class indices (int64 or int32) with process_group: class-probability "
                          "targets are not supported for a slice of the classes")
-    backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend))
+    backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend), "cross_entropy")
     layout = _slice_of(process_group, classes, logits.device)
     check_classes(layout.total, logits, target)
     check_weight(weight, layout.total, logits)  # all V classes, every rank's slice

@@ -289,11 +289,22 @@ def _cases(device: torch.device, small: bool):
         yield "blocksparse", f"b{block} h{heads} {block_rows}x{block_rows} causal", bs_case(block, heads, block_rows)
 
 
+# The registry's op (the backend's kernel module) of each op that the check runs.
+REGISTRY_OP = {"softmax": "softmax", "log_softmax": "softmax", "cross_entropy": "cross_entropy",
+               "linear_cross_entropy": "cross_entropy", "blocksparse": "blocksparse"}
+
+
 def run_check(device: torch.device, backends: list[str], small: bool) -> list[Row]:
+    """The table's rows: every op of ``_cases`` on each of ``backends`` that implements it (a backend that does not
+    is left out of that op's rows: the command says so), in each dtype."""
+    from ._registry import get_backend
+
     rows = []
     for (op, shape, case), dtype in itertools.product(_cases(device, small), DTYPES):
         outputs = {}
         for backend in backends:
+            if not get_backend(backend).supports(REGISTRY_OP[op]):
+                continue
             try:
                 outputs[backend] = case(backend, dtype)
             except Exception as error:  # a failing backend is a row of the table, not a crash

@@ -48,6 +48,7 @@ def _info(args) -> int:
         if not backend.automatic:
             state += " (only when named: backend=, use_backend or $MULTISOFT_BACKEND)"
         print(f"  {backend.name:<10} {backend.version or '-':<32} {state}")
+        print(f"  {'':<10} ops: {', '.join(backend.ops) or 'none'}")
         for note in backend.notes:
             print(f"  {'':<10} note: {note}")
     return status
@@ -61,6 +62,7 @@ def _check(args) -> int:
     import torch
 
     import multisoft
+    from multisoft._registry import OPS
     from multisoft.check import format_table, run_check
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -79,6 +81,10 @@ def _check(args) -> int:
                 print(f"skipped {backend.name}: {backend.unavailable_reason}")
         if len(names) < len(installed) and device.type == "cpu" and not args.simulate:
             print("(--simulate runs triton under its interpreter and numba under its CUDA simulator on the CPU)")
+    for name in names:
+        lacking = [op for op in OPS if op not in installed[name].ops]
+        if lacking:
+            print(f"skipped {name} for {', '.join(lacking)}: does not implement {'them' if len(lacking) > 1 else 'it'}")
     small = device.type == "cpu"
     print(f"checking {', '.join(names)} on {device} ({'small' if small else 'full'} shapes) "
           f"against float64 references ...", flush=True)
@@ -110,8 +116,8 @@ def main(argv: list[str] | None = None, prog: str = "multisoft") -> int:
 
 INFO_DESCRIPTION = (
     "Print the versions of multisoft, Python and torch, the GPU, $MULTISOFT_BACKEND, and every installed backend "
-    "in default priority order: its version, whether it can run here and why not. Exit status 1 when "
-    "$MULTISOFT_BACKEND names an unknown backend.")
+    "in default priority order: its version, whether it can run here and why not, the ops it implements. Exit "
+    "status 1 when $MULTISOFT_BACKEND names an unknown backend.")
 CHECK_DESCRIPTION = (
     "Run every op (softmax, log_softmax, cross_entropy, linear_cross_entropy, block-sparse softmax), forward and "
     "backward, on every backend that can run here, in float32, float16 and bfloat16, against float64 references "

@@ -37,6 +37,20 @@ def backends_under_test() -> list[str]:
     return names
 
 
+def backend_params(backends: list[str], *ops: str) -> list:
+    """``backends`` as pytest parameters, each one that does not implement all of ``ops`` (of
+    ``multisoft._registry.OPS``) marked skipped with the ops it lacks: a backend may implement a subset."""
+    import pytest
+
+    implements = {b.name: b.ops for b in multisoft.backends(DEVICE)}
+    params = []
+    for name in backends:
+        lacking = [op for op in ops if op not in implements[name]]
+        reason = f"backend {name!r} does not implement {', '.join(lacking)}"
+        params.append(pytest.param(name, marks=pytest.mark.skip(reason=reason)) if lacking else name)
+    return params
+
+
 def simulated(backend: str) -> bool:
     """True when ``backend`` runs on the CPU under an interpreter or simulator: keep shapes small."""
     return not ON_GPU and backend not in NATIVE_ON_CPU

@@ -10,6 +10,7 @@ Shapes stay small: the Triton interpreter and numba's simulator run them here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -97,6 +98,9 @@ class Placement:
 
 
 def _kernels(backend: str, op: str):
+    """The backend's kernel module of ``op``; the test is skipped, saying so, where the backend lacks that op."""
+    if not get_backend(backend).supports(op):
+        pytest.skip(f"backend {backend!r} does not implement {op}")
     return get_backend(backend).kernels(op)
 
 
@@ -111,7 +115,7 @@ def _skip_unless_runs(backend: str, dtype: torch.dtype) -> None:
 
 @on_each_backend
 def test_description(backend):
-    """NAME, PRIORITY, INSTALL, version(), unavailable_reason(), and the optional AUTOMATIC and notes(), of the
+    """NAME, PRIORITY, INSTALL, version(), unavailable_reason(), and the optional AUTOMATIC, OPS and notes(), of the
     types the README gives."""
     description = get_backend(backend).module
     assert description.NAME == backend
@@ -120,6 +124,10 @@ def test_description(backend):
     version = description.version()
     assert isinstance(version, str) and version, f"version() of an installed backend is {version!r}"
     assert type(getattr(description, "AUTOMATIC", True)) is bool
+    ops = getattr(description, "OPS", ("softmax", "cross_entropy", "blocksparse"))
+    assert isinstance(ops, tuple) and ops and all(isinstance(op, str) for op in ops), f"OPS is {ops!r}"
+    for op in ops:  # each declared op has its file (found, not imported)
+        assert importlib.util.find_spec(f"{get_backend(backend).package}.{op}") is not None, f"OPS has {op}, no {op}.py"
     if hasattr(description, "notes"):
         notes = description.notes()
         assert isinstance(notes, list) and all(isinstance(line, str) and line for line in notes), notes

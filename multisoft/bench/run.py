@@ -50,6 +50,8 @@ class Runner:
             return describe_error(error)
         if reason:
             return f"unavailable: {reason}"
+        if not backend.supports(plan.KERNEL_MODULE[op]):
+            return f"{name} does not implement {plan.KERNEL_MODULE[op]}"
         key = (name, plan.KERNEL_MODULE[op])
         if key not in self.failed_modules:
             try:
