@@ -1,4 +1,5 @@
-"""What the agreement tests run on: the device, the backends available there, tolerances, references.
+"""What the agreement tests run on: the device, the backends available there (`on_each_backend`), tolerances,
+references.
 
 A backend joins the harness by being installed and able to run on the test
 device: no test code names it.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import multisoft
@@ -35,6 +37,10 @@ def backends_under_test() -> list[str]:
         raise ValueError(f"no backend that {SELECTION_VARIABLE}={','.join(only)!r} lists can run on {DEVICE} "
                          f"({reasons})")
     return names
+
+
+BACKENDS = backends_under_test()
+on_each_backend = pytest.mark.parametrize("backend", BACKENDS)  # the one parametrization over the backends
 
 
 def simulated(backend: str) -> bool:

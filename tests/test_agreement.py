@@ -7,14 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, ON_GPU, activation, assert_close, backends_under_test, simulated
+from harness import DEVICE, ON_GPU, activation, assert_close, on_each_backend, simulated
 from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
                              reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
-
-BACKENDS = backends_under_test()
-
-
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def _skip_big(backend, numel, limit=300_000):

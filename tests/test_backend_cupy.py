@@ -13,22 +13,19 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
-import multisoft_cupy  # noqa: E402
-from multisoft_cupy import _instances, _tuning  # noqa: E402  (import no CUDA framework)
-
-from harness import assert_close  # noqa: E402
-from multisoft._blocksparse import lookup_table  # noqa: E402  (the front's look-up table: torch only, no backend)
-from multisoft.check import (  # noqa: E402
+import multisoft_cupy
+from harness import assert_close
+from multisoft._blocksparse import lookup_table  # (the front's look-up table: torch only, no backend)
+from multisoft.check import (
     reference_blocksparse, reference_blocksparse_backward, reference_slice_gradient, reference_softmax,
     reference_softmax_backward, softmax_backward_magnitude)
+from multisoft_cupy import _instances, _tuning  # (import no CUDA framework)
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")

@@ -19,15 +19,13 @@ import sys
 import pytest
 import torch
 
-from harness import DEVICE, assert_close, backends_under_test, simulated
+from harness import DEVICE, assert_close, on_each_backend, simulated
 from multisoft._blocksparse import lookup_table
 from multisoft._registry import get_backend
 from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
                              reference_slice_gradient, reference_softmax, reference_softmax_backward,
                              softmax_backward_magnitude)
 
-BACKENDS = backends_under_test()
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 
 NAN, INF = float("nan"), float("inf")
