@@ -1,4 +1,5 @@
-"""What the agreement tests run on: the device, the backends available there, tolerances, references.
+"""What the agreement tests run on: the device, the backends available there (`on_each_backend`), tolerances,
+references.
 
 A backend joins the harness by being installed and able to run on the test
 device: no test code names it.
@@ -7,11 +8,13 @@ device: no test code names it.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
+import pytest
 import torch
 
 import multisoft
-from multisoft.check import TOLERANCES, error_ratio
+from multisoft.check import TOLERANCES, error_ratio, reference_cross_entropy
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -37,11 +40,13 @@ def backends_under_test() -> list[str]:
     return names
 
 
+BACKENDS = backends_under_test()
+on_each_backend = pytest.mark.parametrize("backend", BACKENDS)  # the one parametrization over the backends
+
+
 def backend_params(backends: list[str], *ops: str) -> list:
     """``backends`` as pytest parameters, each one that does not implement all of ``ops`` (of
     ``multisoft._registry.OPS``) marked skipped with the ops it lacks: a backend may implement a subset."""
-    import pytest
-
     implements = {b.name: b.ops for b in multisoft.backends(DEVICE)}
     params = []
     for name in backends:
@@ -49,6 +54,11 @@ def backend_params(backends: list[str], *ops: str) -> list:
         reason = f"backend {name!r} does not implement {', '.join(lacking)}"
         params.append(pytest.param(name, marks=pytest.mark.skip(reason=reason)) if lacking else name)
     return params
+
+
+def on_backends_implementing(*ops):
+    """Parametrize ``backend`` over BACKENDS; one that does not implement each of ``ops`` is skipped, saying so."""
+    return pytest.mark.parametrize("backend", backend_params(BACKENDS, *ops))
 
 
 def simulated(backend: str) -> bool:
@@ -81,3 +91,57 @@ def activation(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     op there). A gradient written into the logits reaches ``leaf.grad`` through clone's backward without a copy."""
     leaf = values.detach().clone().requires_grad_(True)
     return leaf, leaf.clone()
+
+
+class CrossEntropyRows(NamedTuple):
+    """What a backend's cross_entropy ``forward`` writes, in float64 (see ``cross_entropy_contract``)."""
+    loss: torch.Tensor
+    lse: torch.Tensor
+    row_weight: torch.Tensor
+    grad: torch.Tensor
+    magnitude: torch.Tensor
+
+
+def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_index=-100, label_smoothing=0.0,
+                           softcap=0.0, lse_square_scale=0.0) -> CrossEntropyRows:
+    """The tests' one float64 oracle of the backends' cross_entropy ``forward`` (backends/README.md), row by row,
+    on the logits' device: (loss, lse, row_weight, grad, magnitude).
+
+    A row whose target is in [0, C): loss and lse are ``multisoft.check.reference_cross_entropy`` (reduction
+    "none", the capped logits, the z-loss), grad is ``grad_scale[i]`` (1 without) times torch's float64 gradient
+    of that loss, row_weight is w[t]. A row whose target is ``ignore_index``: loss 0, row_weight 0, gradient 0. A
+    target outside [0, C) otherwise: loss and gradient NaN, row_weight NaN (the contract leaves it open). lse is
+    every row's logsumexp of the capped logits. magnitude is the size of the gradient's terms,
+    ``|grad_scale| |du/dx| (p_j |(1 - eps) w[t] + eps / C W + 2 s lse| + (1 - eps) w[t] [j == t] + eps / C w_j)``,
+    the bound ``assert_close`` takes for a difference of terms."""
+    x = logits.detach().double()
+    rows, classes = x.shape
+    target = target.to(x.device).long()
+    weight = None if weight is None else weight.to(x)
+    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
+    scale = torch.ones(rows, dtype=torch.float64, device=x.device) if grad_scale is None else grad_scale.to(x)
+    ignored = target == ignore_index
+    valid = ~ignored & (target >= 0) & (target < classes)
+    nan = float("nan")
+    options = dict(weight=weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
+                   softcap=softcap or None, lse_square_scale=lse_square_scale)
+    x_valid = x[valid].requires_grad_()
+    loss_valid = reference_cross_entropy(x_valid, target[valid], **options)
+    loss = torch.full((rows,), nan, dtype=torch.float64, device=x.device)
+    loss[ignored] = 0.0
+    loss[valid] = loss_valid.detach()
+    grad = torch.full_like(x, nan)
+    grad[ignored] = 0.0
+    if valid.any():
+        (grad[valid],) = torch.autograd.grad(loss_valid, x_valid, scale[valid])
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    lse = torch.logsumexp(u, 1)
+    t = torch.where(valid, target, 0)
+    w_t = torch.where(valid, w[t], 0.0)
+    row_weight = torch.where(ignored, 0.0, torch.where(valid, w_t, nan))
+    eps = label_smoothing
+    coefficient = (1 - eps) * w_t + eps / classes * w.sum() + 2 * lse_square_scale * lse
+    is_target = torch.nn.functional.one_hot(t, classes).double()
+    terms = torch.softmax(u, 1) * coefficient.abs()[:, None] + (1 - eps) * w_t[:, None] * is_target + eps / classes * w
+    du_dx = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
+    return CrossEntropyRows(loss, lse, row_weight, grad, scale.abs()[:, None] * terms * du_dx.abs())

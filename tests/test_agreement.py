@@ -7,17 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, ON_GPU, activation, assert_close, backend_params, backends_under_test, simulated
+from harness import DEVICE, ON_GPU, activation, assert_close, on_backends_implementing, simulated
 from multisoft._registry import OPS
 from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
                              reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
-
-BACKENDS = backends_under_test()
-
-
-def on_each_backend(*ops):
-    """Parametrize ``backend`` over BACKENDS; one that does not implement each of ``ops`` is skipped, saying so."""
-    return pytest.mark.parametrize("backend", backend_params(BACKENDS, *ops))
 
 
 def _skip_big(backend, numel, limit=300_000):
@@ -36,7 +29,7 @@ SOFTMAX_SHAPES = [
 @pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-@on_each_backend("softmax")
+@on_backends_implementing("softmax")
 def test_softmax(backend, log, dtype, shape):
     _skip_big(backend, shape[0] * shape[1])
     x = (torch.randn(shape, device=DEVICE) * 3).to(dtype).requires_grad_()
@@ -52,7 +45,7 @@ def test_softmax(backend, log, dtype, shape):
 
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-@on_each_backend("softmax")
+@on_backends_implementing("softmax")
 def test_softmax_non_contiguous_and_other_dims(backend, log):
     op = multisoft.log_softmax if log else multisoft.softmax
     x = torch.randn(6, 50, 9, device=DEVICE, requires_grad=True)
@@ -73,7 +66,7 @@ def test_softmax_non_contiguous_and_other_dims(backend, log):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-@on_each_backend("softmax")
+@on_backends_implementing("softmax")
 def test_softmax_infinities(backend, log, dtype):
     n = 3000
     x = torch.randn(5, n, device=DEVICE).to(dtype)
@@ -94,7 +87,7 @@ def test_softmax_infinities(backend, log, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-@on_each_backend("softmax")
+@on_backends_implementing("softmax")
 def test_softmax_large_offsets(backend, log, dtype):
     """Rows of x + c for large c: kernels round the shift of their exponentials (CuPy's 16-bit ones switch
     their scale at |max| = 2^20), and close neighbours, ties and all-equal rows must still come out right."""
@@ -144,7 +137,7 @@ def _ce_inputs(shape, dtype, target_dtype=torch.int64, weight=False, ignore=0.0,
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("case", list(CE_CASES), ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@on_each_backend("cross_entropy")
+@on_backends_implementing("cross_entropy")
 def test_cross_entropy(backend, dtype, case, reduction):
     spec = CE_CASES[case]
     _skip_big(backend, int(torch.tensor(spec["shape"]).prod()))
@@ -165,7 +158,7 @@ def test_cross_entropy(backend, dtype, case, reduction):
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@on_each_backend("cross_entropy")
+@on_backends_implementing("cross_entropy")
 def test_cross_entropy_inplace_backward(backend, dtype, reduction):
     """The forward writes the gradient into the logits (bumping their version); the backward scales it there by
     the incoming gradient, and it becomes the logits' .grad without a copy. A float16 mean's forward writes the
@@ -193,7 +186,7 @@ def test_cross_entropy_inplace_backward(backend, dtype, reduction):
     assert_close(leaf.grad, 3.0 * expected_logits.grad, dtype, "gradient x3")
 
 
-@on_each_backend("cross_entropy")
+@on_backends_implementing("cross_entropy")
 def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend, targets_unchecked_on_the_cpu):
     """Targets outside [0, C) give their row a NaN loss, read in bounds; the other rows are right (on the CPU,
     beneath the front's IndexError)."""
@@ -211,7 +204,7 @@ def test_cross_entropy_invalid_targets_never_read_out_of_bounds(backend, targets
 
 
 @pytest.mark.skipif(ON_GPU, reason="targets on the CPU only: on a GPU checking them would synchronise")
-@on_each_backend("cross_entropy")
+@on_backends_implementing("cross_entropy")
 def test_cross_entropy_targets_outside_the_classes_on_the_cpu_raise_as_torchs(backend):
     """On the CPU a class-index target outside [0, C) that is not ignore_index raises torch's IndexError, before
     any kernel runs, for cross_entropy, linear_cross_entropy and the nn module, whatever the reduction; one equal
@@ -252,7 +245,7 @@ def _nan_rows(shape, dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape", NAN_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@on_each_backend("softmax", "cross_entropy")
+@on_backends_implementing("softmax", "cross_entropy")
 def test_a_nan_anywhere_in_a_row_makes_the_row_nan(backend, dtype, shape):
     """softmax, log_softmax and cross-entropy (loss and gradient) of a row holding a NaN are NaN throughout, as
     torch's are, wherever in the row the NaN sits; the other rows are unharmed."""
@@ -281,7 +274,7 @@ def test_a_nan_anywhere_in_a_row_makes_the_row_nan(backend, dtype, shape):
 
 
 @pytest.mark.parametrize("classes", [37, 9000], ids=lambda c: f"C{c}")
-@on_each_backend("cross_entropy")
+@on_backends_implementing("cross_entropy")
 def test_a_positive_infinity_makes_the_cross_entropy_row_nan(backend, classes):
     """A logit of +inf makes torch's log_softmax NaN throughout its row, so its cross-entropy (class indices or
     probabilities) and its gradient row are NaN, as torch's are; the other rows are unharmed."""
@@ -306,7 +299,7 @@ def test_a_positive_infinity_makes_the_cross_entropy_row_nan(backend, classes):
 
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["uncapped", "softcap"])
 @pytest.mark.parametrize("classes", [37, 9000], ids=lambda c: f"C{c}")
-@on_each_backend("cross_entropy")
+@on_backends_implementing("cross_entropy")
 def test_the_lse_of_a_row_holding_an_infinity_is_torchs_logsumexp(backend, classes, softcap):
     """return_lse gives torch.logsumexp of the (capped) logits for rows holding infinities: +inf for a row holding
     +inf, though its loss and gradient are NaN, and -inf for a row of -inf only; a softcap caps either infinity to
@@ -371,7 +364,7 @@ BLOCKSPARSE_CASES = {
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(BLOCKSPARSE_CASES), ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@on_each_backend("blocksparse")
+@on_backends_implementing("blocksparse")
 def test_blocksparse_softmax(backend, dtype, case, is_causal):
     spec = BLOCKSPARSE_CASES[case]
     block = spec["block"]
@@ -394,7 +387,7 @@ def test_blocksparse_softmax(backend, dtype, case, is_causal):
 @pytest.mark.parametrize("scale", [-0.7, 0.0], ids=["negative", "zero"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@on_each_backend("blocksparse")
+@on_backends_implementing("blocksparse")
 def test_blocksparse_softmax_scale_of_either_sign(backend, dtype, is_causal, scale):
     """A negative scale flips which element is the row's max; a zero one gives every unmasked element the same
     share (masked ones stay 0)."""
@@ -423,7 +416,7 @@ def _large_inputs_on(backend):
 
 
 @pytest.mark.parametrize("shape", [(2**21 + 64, 1024), (2**14 + 16, 131_072)], ids=lambda s: "x".join(map(str, s)))
-@on_each_backend("softmax")
+@on_backends_implementing("softmax")
 def test_softmax_past_2_31_elements(backend, shape, one_large_test_at_a_time):
     _large_inputs_on(backend)
     x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
@@ -437,7 +430,7 @@ def test_softmax_past_2_31_elements(backend, shape, one_large_test_at_a_time):
                  softmax_backward_magnitude(y, dy, -1, False))
 
 
-@on_each_backend("cross_entropy")
+@on_backends_implementing("cross_entropy")
 def test_cross_entropy_past_2_31_elements(backend, one_large_test_at_a_time):
     _large_inputs_on(backend)
     shape = (2**14 + 16, 131_072)
@@ -454,7 +447,7 @@ def test_cross_entropy_past_2_31_elements(backend, one_large_test_at_a_time):
     assert_close(grad[tail], grad_expected, torch.bfloat16, "gradient")
 
 
-@on_each_backend("blocksparse")
+@on_backends_implementing("blocksparse")
 def test_blocksparse_softmax_past_2_31_elements(backend, one_large_test_at_a_time):
     """Batch entry 8 of 9 starts at element 2**31 (a full 16 x 64 x 64 layout of 64 x 64 blocks: 2**28 elements
     an entry); causal, so the rows run from 1 to 4096 elements."""
@@ -499,7 +492,7 @@ def _every_op(backend, device):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-@on_each_backend(*OPS)
+@on_backends_implementing(*OPS)
 def test_tensors_on_the_second_device(backend):
     """Every op runs on its tensors' device, whatever the current device is."""
     with torch.cuda.device(0):
@@ -510,7 +503,7 @@ def test_tensors_on_the_second_device(backend):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-@on_each_backend(*OPS)
+@on_backends_implementing(*OPS)
 def test_runs_on_the_current_stream(backend):
     """On a side stream whose queue starts with slow torch work, every op's kernels queue behind it."""
     side = torch.cuda.Stream()

@@ -2,8 +2,8 @@
 CUDA + cupy).
 
 The kernels are called directly through the backend contract, against the float64
-references of multisoft/check.py at its tolerances (cross-entropy: against the
-contract's formulas, written out here in float64), so these tests do not depend on
+references of multisoft/check.py at its tolerances (cross-entropy: tests/harness.py's
+cross_entropy_contract), so these tests do not depend on
 the front's dispatch (only on its look-up table for the block-sparse kernels). The
 GPU tests force each kernel path by patching multisoft_cupy._tuning.
 """
@@ -13,22 +13,19 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
-import multisoft_cupy  # noqa: E402
-from multisoft_cupy import _instances, _tuning  # noqa: E402  (import no CUDA framework)
-
-from harness import assert_close  # noqa: E402
-from multisoft._blocksparse import lookup_table  # noqa: E402  (the front's look-up table: torch only, no backend)
-from multisoft.check import (  # noqa: E402
+import multisoft_cupy
+from harness import assert_close, cross_entropy_contract
+from multisoft._blocksparse import lookup_table  # (the front's look-up table: torch only, no backend)
+from multisoft.check import (
     reference_blocksparse, reference_blocksparse_backward, reference_slice_gradient, reference_softmax,
     reference_softmax_backward, softmax_backward_magnitude)
+from multisoft_cupy import _instances, _tuning  # (import no CUDA framework)
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")
@@ -42,45 +39,6 @@ def random_layout(heads, mb, nb, generator=None, empty_row=True):
     if empty_row and mb > 1:
         layout[0, 1] = 0  # a block-row without blocks
     return layout
-
-
-def cross_entropy_reference(logits, target, weight=None, ignore_index=-100, label_smoothing=0.0, softcap=0.0,
-                            lse_square_scale=0.0, grad_scale=None):
-    """(loss, lse, row_weight, and with `grad_scale` the gradient grad_scale[i] * dloss_i / dlogits) in float64, from
-    the backend contract's formulas: u = softcap * tanh(logits / softcap) (or the logits), lse = logsumexp(u),
-    loss = (1 - eps) w[t] (lse - u[t]) + eps / C sum_c w[c] (lse - u[c]) + lse_square_scale lse**2, 0 for a target
-    equal to ignore_index (gradient 0, row weight 0), NaN for one outside [0, C) (gradient NaN); the gradient by
-    autograd."""
-    x = logits.detach().double()
-    rows, classes = x.shape
-    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
-    t = target.long()
-    ignored = t == ignore_index
-    valid = ~ignored & (t >= 0) & (t < classes)
-
-    def capped(v):
-        return softcap * torch.tanh(v / softcap) if softcap else v
-
-    x_valid = x[valid].requires_grad_()
-    u = capped(x_valid)
-    lse_valid = torch.logsumexp(u, -1)
-    t_valid = t[valid]
-    eps = label_smoothing
-    loss_valid = ((1 - eps) * w[t_valid] * (lse_valid - u.gather(1, t_valid[:, None])[:, 0])
-                  + eps / classes * ((lse_valid[:, None] - u) * w).sum(-1) + lse_square_scale * lse_valid**2)
-    nan = float("nan")
-    loss = torch.full((rows,), nan, dtype=torch.float64, device=x.device)
-    loss[ignored] = 0.0
-    loss[valid] = loss_valid.detach()
-    row_weight = torch.where(valid, w[t.clamp(0, classes - 1)], 0.0)
-    lse = torch.logsumexp(capped(x), -1)
-    if grad_scale is None:
-        return loss, lse, row_weight, None
-    grad = torch.full_like(x, nan)
-    grad[ignored] = 0.0
-    if valid.any():
-        (grad[valid],) = torch.autograd.grad(loss_valid, x_valid, grad_scale.to(x.device, torch.float64)[valid])
-    return loss, lse, row_weight, grad
 
 
 # ---- no GPU needed ----
@@ -570,7 +528,7 @@ def test_non_default_stream_interleaved_with_torch_work():
         total = loss.sum()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    expected_loss, _, _, expected_grad = cross_entropy_reference(x, target, grad_scale=torch.full((2048,), 3.0))
+    expected_loss, _, _, expected_grad, _ = cross_entropy_contract(x, target, grad_scale=torch.full((2048,), 3.0))
     assert_close(z, 2 * reference_softmax(x, -1, True), torch.float32, "stream softmax")
     assert_close(total, expected_loss.sum(), torch.float32, "stream loss")
     assert_close(grad, expected_grad, torch.float32, "stream gradient")
@@ -611,7 +569,7 @@ def test_second_device():
         cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), grad, torch.ones(64, device=dev),
                               -100, 0.0, 0.0, 0.0)
         cross_entropy.scale(grad, torch.full((1,), 0.5, device=dev))
-    expected_loss, _, _, expected_grad = cross_entropy_reference(x, target, grad_scale=torch.full((64,), 0.5))
+    expected_loss, _, _, expected_grad, _ = cross_entropy_contract(x, target, grad_scale=torch.full((64,), 0.5))
     assert_close(y, reference_softmax(x, -1, False), torch.float32, "cuda:1 softmax")
     assert_close(loss, expected_loss, torch.float32, "cuda:1 loss")
     assert_close(grad, expected_grad, torch.float32, "cuda:1 gradient")
@@ -800,8 +758,9 @@ def check_cross_entropy(cross_entropy, logits, target, options, what):
         assert grad_scale.stride(0) == 0
     else:
         grad_scale = (torch.rand(rows, generator=g) + 0.5).to(_device())
-    loss, lse, row_weight, grad = cross_entropy_reference(logits, target, weight, -100, eps, softcap, lse_square_scale,
-                                                          grad_scale)
+    loss, lse, row_weight, grad, _ = cross_entropy_contract(logits, target, weight, grad_scale, -100, eps, softcap,
+                                                            lse_square_scale)
+    row_weight = row_weight.nan_to_num(0.0)  # the contract leaves an invalid target's open: this backend writes 0
     storage = torch.full((rows + 1, classes), 7.0, device=_device()).to(logits.dtype)
     for out, scale in ((storage[:rows], grad_scale), (None, None)):
         stats = cross_entropy_call(cross_entropy, logits, target, weight, options, scale, out)
@@ -856,7 +815,7 @@ def test_cross_entropy_in_place_equals_a_separate_gradient(cfg, dtype, monkeypat
         in_place_stats = cross_entropy_call(cross_entropy, in_place, target, weight, options, grad_scale, in_place)
         torch.testing.assert_close(in_place, separate, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(in_place_stats, stats, rtol=0, atol=0, equal_nan=True)
-        assert_close(separate, cross_entropy_reference(logits, target, weight, -100, *options[1:4], grad_scale)[3],
+        assert_close(separate, cross_entropy_contract(logits, target, weight, grad_scale, -100, *options[1:4]).grad,
                      dtype, f"gradient {classes} classes options={options}")
 
 

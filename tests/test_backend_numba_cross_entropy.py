@@ -1,6 +1,6 @@
 """The numba backend's cross-entropy kernels called directly: forward (loss, lse, row weight and the scaled gradient
-in one kernel, on its cached and looping paths, forced through _tuning) and scale, against the float64 formulas of
-the backend contract (backends/README.md), written out here: label smoothing, class weights, softcap, z-loss,
+in one kernel, on its cached and looping paths, forced through _tuning) and scale, against the float64 oracle of
+the backend contract (backends/README.md) in tests/harness.py: label smoothing, class weights, softcap, z-loss,
 ignored and invalid targets, in place, grad_scale per row and broadcast, no gradient; float32 and bfloat16."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import multisoft_numba
-from harness import DEVICE, ON_GPU, assert_close
+from harness import DEVICE, ON_GPU, assert_close, cross_entropy_contract
 from multisoft.check import reference_slice_gradient
 
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
@@ -27,38 +27,6 @@ CASES = {
     "weight_smoothing": (37, False, dict(label_smoothing=0.1, softcap=0.0, lse_square_scale=0.0, weighted=True)),
     "everything": (40, False, dict(label_smoothing=0.2, softcap=3.0, lse_square_scale=1e-2, weighted=True)),
 }
-
-
-def contract_reference(logits, target, weight, grad_scale, ignore_index, label_smoothing, softcap, lse_square_scale):
-    """(loss, lse, row_weight, grad_logits) in float64, term by term as the contract states them. row_weight is
-    NaN where the contract leaves it open (invalid targets)."""
-    x = logits.detach().double()
-    rows, classes = x.shape
-    eps, s = label_smoothing, lse_square_scale
-    w = torch.ones(classes, dtype=torch.float64, device=x.device) if weight is None else weight.double()
-    u = softcap * torch.tanh(x / softcap) if softcap else x
-    m = u.max(dim=1, keepdim=True).values
-    total = torch.exp(u - m).sum(dim=1, keepdim=True)
-    lse = (m + torch.log(total)).squeeze(1)
-    p = torch.exp(u - m) / total
-    ignored = target == ignore_index
-    valid = ~ignored & (target >= 0) & (target < classes)
-    t = torch.where(valid, target, 0).long()
-    w_t = torch.where(valid, w[t], 0.0)
-    u_t = u.gather(1, t[:, None]).squeeze(1)
-    loss = (1 - eps) * w_t * (lse - u_t) + eps / classes * (w * (lse[:, None] - u)).sum(dim=1) + s * lse ** 2
-    loss = torch.where(ignored, 0.0, torch.where(valid, loss, float("nan")))
-    row_weight = torch.where(ignored, 0.0, torch.where(valid, w_t, float("nan")))
-    one_hot = torch.nn.functional.one_hot(t, classes).double()
-    coef = (1 - eps) * w_t + eps / classes * w.sum() + 2 * s * lse
-    dloss_du = p * coef[:, None] - (1 - eps) * w_t[:, None] * one_hot - eps / classes * w
-    du_dx = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
-    grad = grad_scale.double()[:, None] * dloss_du * du_dx
-    grad = torch.where(ignored[:, None], 0.0, torch.where(valid[:, None], grad, float("nan")))
-    # The gradient is a difference of terms: float arithmetic promises a relative error of the terms' size.
-    terms = (p * coef[:, None].abs() + (1 - eps) * w_t[:, None] * one_hot + eps / classes * w)
-    magnitude = grad_scale.double().abs()[:, None] * terms * du_dx.abs()
-    return loss, lse, row_weight, grad, magnitude
 
 
 def _inputs(classes, unaligned, weighted, dtype, rows=5):
@@ -102,26 +70,6 @@ def _assert_agrees(got, expected, dtype, what):
         assert_close(grad, grad64, dtype, f"{what}: grad_logits", magnitude)
 
 
-def test_contract_formula_is_torchs_cross_entropy():
-    """The formulas above are torch's cross_entropy (and its autograd) on the capped logits plus the z-loss."""
-    logits = torch.randn(5, 11, dtype=torch.float64) * 3
-    target = torch.tensor([3, -100, 10, 0, 7])
-    weight = torch.rand(11, dtype=torch.float64) + 0.5
-    grad_scale = torch.rand(5, dtype=torch.float64)
-    x = logits.clone().requires_grad_()
-    u = 3.0 * torch.tanh(x / 3.0)
-    lse = torch.logsumexp(u, dim=1)
-    loss = torch.nn.functional.cross_entropy(u, target, weight, reduction="none", label_smoothing=0.2)
-    loss = loss + 1e-2 * lse ** 2 * (target != -100)
-    (grad,) = torch.autograd.grad(loss, x, grad_scale)
-    loss64, lse64, row_weight64, grad64, _ = contract_reference(logits, target, weight, grad_scale, -100, 0.2, 3.0,
-                                                                1e-2)
-    torch.testing.assert_close(loss64, loss.detach())
-    torch.testing.assert_close(lse64, lse.detach())
-    torch.testing.assert_close(grad64, grad)
-    torch.testing.assert_close(row_weight64, torch.where(target == -100, 0.0, weight[target.clamp(0)]))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -139,7 +87,7 @@ def test_forward_and_gradient_agree_with_the_contract(dtype, path, case, monkeyp
     for grad_scale in (torch.rand(rows, device=DEVICE) + 0.5, torch.full((1,), 0.25, device=DEVICE).expand(rows)):
         grad = torch.full_like(logits, 7.0)
         got = _run(logits, target, weight, grad, grad_scale, options)
-        expected = contract_reference(logits, target, weight, grad_scale, -100, **options)
+        expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, **options)
         _assert_agrees((*got, grad), expected, dtype, f"{case} {path} grad_scale stride {grad_scale.stride(0)}")
         assert torch.equal(logits, before), "the logits changed"
 
@@ -151,8 +99,7 @@ def test_without_a_gradient_the_forward_only_reads(dtype):
     logits, target, weight = _inputs(classes, False, True, dtype)
     before = logits.clone()
     got = _run(logits, target, weight, None, None, options)
-    expected = contract_reference(logits, target, weight, torch.ones(logits.shape[0], device=DEVICE), -100,
-                                  **options)
+    expected = cross_entropy_contract(logits, target, weight, None, -100, **options)
     _assert_agrees((*got, None), expected, dtype, "no gradient")
     assert torch.equal(_bits_view(logits), _bits_view(before)), "the logits changed"
 
@@ -168,7 +115,7 @@ def test_in_place_gradient_equals_the_gradient_into_a_new_buffer(dtype, path, mo
     logits, target, weight = _inputs(classes, False, True, dtype)
     target = target.int()
     grad_scale = torch.rand(logits.shape[0], device=DEVICE) + 0.5
-    expected = contract_reference(logits, target, weight, grad_scale, -100, **options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, **options)
     out_of_place = torch.empty_like(logits)
     stats = _run(logits, target, weight, out_of_place, grad_scale, options)
     in_place = logits.clone()
@@ -281,7 +228,7 @@ def test_vocabulary_sized_rows_on_the_gpu(dtype, classes):
     target[1] = -100
     weight = torch.rand(classes, device=DEVICE) + 0.5
     grad_scale = torch.rand(rows, device=DEVICE) + 0.5
-    expected = contract_reference(logits, target, weight, grad_scale, -100, **options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, **options)
     grad = torch.empty_like(logits)
     stats = _run(logits, target, weight, grad, grad_scale, options)
     _assert_agrees((*stats, grad), expected, dtype, f"{classes} classes")

@@ -1,12 +1,12 @@
 """Triton backend specifics: availability rules, invalid targets, each kernel path (forced by setting
 multisoft_triton._tuning), streams and devices. Expected values are multisoft.check's float64 references (for
-cross-entropy, the backend contract's formulas in float64, `_contract` below), compared at its tolerances by
-tests/harness.py's assert_close."""
+cross-entropy, tests/harness.py's `cross_entropy_contract`, the backend contract in float64), compared at its
+tolerances by tests/harness.py's assert_close."""
 
 import pytest
 import torch
 
-from harness import DEVICE, assert_close
+from harness import DEVICE, assert_close, cross_entropy_contract
 from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_slice_gradient,
                              reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
 
@@ -39,36 +39,6 @@ def test_cpu_needs_the_interpreter(monkeypatch):
     for dtype in multisoft_triton.DTYPES:
         assert multisoft_triton.unavailable_reason(torch.device("cpu"), dtype) is None
     assert multisoft_triton.unavailable_reason(torch.device("cpu"), torch.float64) is not None
-
-
-def _contract(logits, target, weight, ignore_index, smoothing, softcap, lse_square_scale):
-    """(loss, lse, row_weight, dloss/dlogits) in float64 as the backend contract (issue #41) defines them: u the
-    capped logits, loss = (1 - eps) w[t] (lse - u_t) + eps / C sum_j w_j (lse - u_j) + s lse**2, its gradient
-    through u; an ignored row 0 (its lse kept), an invalid target NaN."""
-    x = logits.detach().double().cpu()
-    target = target.long().cpu()
-    rows, classes = x.shape
-    w = torch.ones(classes, dtype=torch.float64) if weight is None else weight.double().cpu()
-    u = softcap * torch.tanh(x / softcap) if softcap else x
-    lse = u.logsumexp(1)
-    ignored = target == ignore_index
-    valid = (target >= 0) & (target < classes) & ~ignored
-    t = torch.where(valid, target, 0)
-    w_t = w[t]
-    eps = smoothing
-    loss = (1 - eps) * w_t * (lse - u.gather(1, t[:, None])[:, 0]) + lse_square_scale * lse**2
-    if eps:  # (without, a -inf logit would make 0 * inf)
-        loss = loss + eps / classes * (w * (lse[:, None] - u)).sum(1)
-    p = torch.softmax(u, 1)
-    is_target = torch.nn.functional.one_hot(t, classes).double()
-    grad = (p * ((1 - eps) * w_t + eps / classes * w.sum() + 2 * lse_square_scale * lse)[:, None]
-            - (1 - eps) * w_t[:, None] * is_target - eps / classes * w)
-    if softcap:
-        grad = grad * (1 - (u / softcap) ** 2)
-    nan = float("nan")
-    loss = torch.where(ignored, 0.0, torch.where(valid, loss, nan))
-    grad = torch.where(ignored[:, None], 0.0, torch.where(valid[:, None], grad, nan))
-    return loss, lse, torch.where(ignored, 0.0, w_t), grad
 
 
 def _run_cross_entropy(logits, target, weight, grad_logits, grad_scale, ignore_index=-100, smoothing=0.0,
@@ -135,11 +105,12 @@ def test_cross_entropy_forward_and_gradient_match_the_contract(ce_path, options,
     grad = torch.full_like(logits, 12345.0)
     loss, lse, row_weight = _run_cross_entropy(logits, target, weight, grad, grad_scale, ignore_index, smoothing,
                                                softcap, lse_square_scale)
-    expected = _contract(logits, target, weight, ignore_index, smoothing, softcap, lse_square_scale)
-    assert_close(loss, expected[0], torch.float32, "loss")
-    assert_close(lse, expected[1], torch.float32, "lse")
-    assert_close(row_weight, expected[2], torch.float32, "row weight")
-    assert_close(grad, expected[3] * grad_scale.double().cpu()[:, None], dtype, "gradient")
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, ignore_index, smoothing, softcap,
+                                      lse_square_scale)
+    assert_close(loss, expected.loss, torch.float32, "loss")
+    assert_close(lse, expected.lse, torch.float32, "lse")
+    assert_close(row_weight, expected.row_weight, torch.float32, "row weight")
+    assert_close(grad, expected.grad, dtype, "gradient")
     assert (grad[2] == 0).all() and loss[2] == 0
 
 
@@ -155,14 +126,14 @@ def test_cross_entropy_in_place_with_a_broadcast_grad_scale(ce_path, dtype):
     weight = torch.rand(classes, device=DEVICE) + 0.5
     grad_scale = torch.full((1,), 0.125, device=DEVICE).expand(rows)
     options = (-100, 0.1, 5.0, 0.01)
-    expected = _contract(logits, target, weight, *options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, *options)
     separate = torch.empty_like(logits)
     stats = _run_cross_entropy(logits, target, weight, separate, grad_scale, *options)
     in_place = _run_cross_entropy(logits, target, weight, logits, grad_scale, *options)
     assert torch.equal(in_place, stats)
     assert torch.equal(logits, separate)
-    assert_close(stats[0], expected[0], torch.float32, "loss")
-    assert_close(logits, expected[3] * 0.125, dtype, "gradient")
+    assert_close(stats[0], expected.loss, torch.float32, "loss")
+    assert_close(logits, expected.grad, dtype, "gradient")
 
 
 @needs_kernels
@@ -177,9 +148,9 @@ def test_cross_entropy_of_large_logits_is_exact(ce_path):
     grad = torch.empty_like(logits)
     grad_scale = torch.ones(rows, device=DEVICE)
     loss, _, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, -100, 0.1)
-    expected = _contract(logits, target, weight, -100, 0.1, 0.0, 0.0)
-    assert_close(loss, expected[0], torch.float32, "loss")
-    assert_close(grad, expected[3], torch.float32, "gradient")
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, 0.1)
+    assert_close(loss, expected.loss, torch.float32, "loss")
+    assert_close(grad, expected.grad, torch.float32, "gradient")
 
 
 @needs_kernels
@@ -193,7 +164,7 @@ def test_cross_entropy_softcap_past_float32_is_no_cap(ce_path):
     huge = _run_cross_entropy(logits, target, None, grads[0], grad_scale, -100, 0.1, 1e39, 0.01)
     plain = _run_cross_entropy(logits, target, None, grads[1], grad_scale, -100, 0.1, 0.0, 0.01)
     assert torch.equal(huge, plain) and torch.equal(grads[0], grads[1])
-    expected = _contract(logits, target, None, -100, 0.1, 0.0, 0.01)[3] * grad_scale.double().cpu()[:, None]
+    expected = cross_entropy_contract(logits, target, None, grad_scale, -100, 0.1, 0.0, 0.01).grad
     assert_close(grads[1], expected, torch.float32, "gradient")
 
 
@@ -208,10 +179,10 @@ def test_cross_entropy_without_a_gradient_only_reads(ce_path):
     weight = torch.rand(classes, device=DEVICE) + 0.5
     options = (-100, 0.1, 6.0, 0.01)
     loss, lse, row_weight = _run_cross_entropy(logits, target, weight, None, None, *options)
-    expected = _contract(logits, target, weight, *options)
-    assert_close(loss, expected[0], torch.float32, "loss")
-    assert_close(lse, expected[1], torch.float32, "lse")
-    assert_close(row_weight, expected[2], torch.float32, "row weight")
+    expected = cross_entropy_contract(logits, target, weight, None, *options)
+    assert_close(loss, expected.loss, torch.float32, "loss")
+    assert_close(lse, expected.lse, torch.float32, "lse")
+    assert_close(row_weight, expected.row_weight, torch.float32, "row weight")
     assert torch.equal(logits, before)
 
 
@@ -228,12 +199,12 @@ def test_cross_entropy_invalid_targets_are_never_read(ce_path, target_dtype):
     grad = torch.empty_like(logits)
     grad_scale = torch.ones(rows, device=DEVICE)
     loss, lse, _ = _run_cross_entropy(logits, target, None, grad, grad_scale, -100, 0.1, 0.0, 0.01)
-    expected = _contract(logits, target, None, -100, 0.1, 0.0, 0.01)
-    assert_close(lse, expected[1], torch.float32, "lse")
+    expected = cross_entropy_contract(logits, target, None, grad_scale, -100, 0.1, 0.0, 0.01)
+    assert_close(lse, expected.lse, torch.float32, "lse")
     assert loss[1:5].isnan().all() and grad[1:5].isnan().all()
     valid = [0, 5]
-    assert_close(loss[valid], expected[0][valid], torch.float32, "loss")
-    assert_close(grad[valid], expected[3][valid], torch.float32, "gradient")
+    assert_close(loss[valid], expected.loss[valid], torch.float32, "loss")
+    assert_close(grad[valid], expected.grad[valid], torch.float32, "gradient")
 
 
 @needs_kernels
@@ -255,18 +226,18 @@ def test_cross_entropy_long_rows(weighted, smoothing):
     grad = torch.empty_like(logits)
     grad_scale = torch.rand(rows, device=DEVICE)
     loss, lse, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, -100, smoothing)
-    expected = _contract(logits, target, weight, -100, smoothing, 0.0, 0.0)
-    finite = logits.isfinite().all(1).cpu()  # smoothing sums every logit: -inf ones give an infinite loss
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, smoothing)
+    finite = logits.isfinite().all(1)  # smoothing sums every logit: -inf ones give an infinite loss
     keep = finite | (smoothing == 0.0)
-    assert_close(lse, expected[1], torch.float32, "lse")
-    assert_close(loss.cpu()[keep], expected[0][keep], torch.float32, "loss")
+    assert_close(lse, expected.lse, torch.float32, "lse")
+    assert_close(loss[keep], expected.loss[keep], torch.float32, "loss")
     assert loss[2] == 0
     if smoothing:
-        assert torch.isinf(loss.cpu()[~finite]).all()
-    assert_close(grad, expected[3] * grad_scale.double().cpu()[:, None], torch.float32, "gradient")
+        assert torch.isinf(loss[~finite]).all()
+    assert_close(grad, expected.grad, torch.float32, "gradient")
     loss, lse, _ = _run_cross_entropy(logits, target, weight, None, None, -100, smoothing)   # CE_LOOP_CONFIGS
-    assert_close(lse, expected[1], torch.float32, "lse without the gradient")
-    assert_close(loss.cpu()[keep], expected[0][keep], torch.float32, "loss without the gradient")
+    assert_close(lse, expected.lse, torch.float32, "lse without the gradient")
+    assert_close(loss[keep], expected.loss[keep], torch.float32, "loss without the gradient")
 
 
 @needs_kernels
@@ -359,9 +330,9 @@ def test_second_device():
     grad = torch.empty_like(logits)
     cross_entropy.forward(logits, target, None, *stats, grad, torch.ones(64, device="cuda:1"), -100, 0.0, 0.0, 0.0)
     cross_entropy.scale(grad, torch.full((1,), 0.5, device="cuda:1"))
-    expected = _contract(logits, target, None, -100, 0.0, 0.0, 0.0)
-    assert_close(stats[0], expected[0], torch.float32, "loss")
-    assert_close(grad, expected[3] * 0.5, torch.float32, "gradient")
+    expected = cross_entropy_contract(logits, target, grad_scale=torch.full((64,), 0.5))
+    assert_close(stats[0], expected.loss, torch.float32, "loss")
+    assert_close(grad, expected.grad, torch.float32, "gradient")
     _check_softmax(torch.randn(5, 300000, device="cuda:1"), False)
 
 

@@ -15,11 +15,9 @@ import pytest
 import torch
 
 import multisoft
-from harness import DEVICE, ON_GPU, assert_close, backends_under_test
+from harness import BACKENDS, DEVICE, ON_GPU, assert_close, on_each_backend
 from multisoft.check import _softmax_backward_terms
 
-BACKENDS = backends_under_test()
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 
 B = 16
 FIRST = [[[1, 1], [1, 0]]]                       # 3 blocks

@@ -19,12 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, assert_close, backends_under_test
+from harness import DEVICE, assert_close, on_each_backend
 from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
                              softmax_backward_magnitude)
 
-BACKENDS = backends_under_test()
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 each_shape_mode = pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 
 LAYOUT = torch.tensor([[[1, 0], [1, 1]]])  # 3 blocks of 16 x 16

@@ -20,15 +20,13 @@ import sys
 import pytest
 import torch
 
-from harness import DEVICE, assert_close, backends_under_test, simulated
+from harness import DEVICE, assert_close, cross_entropy_contract, on_each_backend, simulated
 from multisoft._blocksparse import lookup_table
 from multisoft._registry import get_backend
 from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
                              reference_slice_gradient, reference_softmax, reference_softmax_backward,
                              softmax_backward_magnitude)
 
-BACKENDS = backends_under_test()
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 
 NAN, INF = float("nan"), float("inf")
@@ -263,28 +261,6 @@ def _cross_entropy_inputs(dtype, shape, weighted=False, label_smoothing=0.0, ign
                                                          softcap=softcap, lse_square_scale=lse_square_scale)
 
 
-def _reference(logits, target, weight, options):
-    """(per-row loss, lse) in float64 for the kernels' scalar arguments (softcap 0.0: none)."""
-    return reference_cross_entropy(logits, target, weight=weight, reduction="none", return_lse=True,
-                                   **{**options, "softcap": options["softcap"] or None})
-
-
-def _expected_row_weight(target, weight, ignore_index):
-    """w[t] (1 without weights) for each row, 0 where t is ignore_index: exactly, being a copy of the weight."""
-    ignored = target == ignore_index
-    safe = torch.where(ignored, 0, target).long()
-    target_weight = weight[safe] if weight is not None else torch.ones(target.shape, device=DEVICE)
-    return torch.where(ignored, 0.0, target_weight)
-
-
-def _expected_gradient(logits, target, weight, grad_scale, options):
-    """d (sum_i grad_scale[i] * loss_i) / d logits in float64: torch's gradient of the per-row reference."""
-    logits64 = logits.detach().double().requires_grad_()
-    loss, _ = _reference(logits64, target, weight, options)
-    (gradient,) = torch.autograd.grad(loss, logits64, grad_scale.double())
-    return gradient
-
-
 def _cross_entropy_forward(backend, logits, target, weight, options, grad=None, grad_scale_values=None,
                            broadcast=False, lead=GUARD, loss_fill=NAN, with_row_stats=False):
     """Runs the forward with every tensor placed: ``grad`` None (no gradient), "separate" (a tensor of its own) or
@@ -328,11 +304,10 @@ def test_cross_entropy_forward(backend, dtype, case):
     _skip_unless_runs(backend, dtype)
     logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[case])
     loss, lse, row_weight, _ = _cross_entropy_forward(backend, logits, target, weight, options)
-    expected, expected_lse = _reference(logits, target, weight, options)
-    assert_close(loss, expected, torch.float32, "loss")
-    assert_close(lse, expected_lse, torch.float32, "lse")
-    expected_row_weight = _expected_row_weight(target, weight, options["ignore_index"])
-    assert torch.equal(row_weight, expected_row_weight), (row_weight, expected_row_weight)
+    expected = cross_entropy_contract(logits, target, weight, **options)
+    assert_close(loss, expected.loss, torch.float32, "loss")
+    assert_close(lse, expected.lse, torch.float32, "lse")
+    assert torch.equal(row_weight, expected.row_weight.float()), (row_weight, expected.row_weight)
 
 
 CROSS_ENTROPY_GRADIENT_CASES = {
@@ -367,11 +342,11 @@ def test_cross_entropy_forward_with_gradient(backend, dtype, case):
     mode = "in-place" if in_place else "separate"
     loss, lse, row_weight, grad = _cross_entropy_forward(backend, logits, target, weight, options, mode, grad_scale,
                                                          broadcast)
-    expected, expected_lse = _reference(logits, target, weight, options)
-    assert_close(loss, expected, torch.float32, "loss")
-    assert_close(lse, expected_lse, torch.float32, "lse")
-    assert torch.equal(row_weight, _expected_row_weight(target, weight, options["ignore_index"]))
-    assert_close(grad, _expected_gradient(logits, target, weight, grad_scale, options), dtype, "grad_logits")
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, **options)
+    assert_close(loss, expected.loss, torch.float32, "loss")
+    assert_close(lse, expected.lse, torch.float32, "lse")
+    assert torch.equal(row_weight, expected.row_weight.float())
+    assert_close(grad, expected.grad, dtype, "grad_logits")
     ignored = target == options["ignore_index"]
     assert (grad[ignored] == 0).all(), "an ignored row's gradient is 0"
     if broadcast:
@@ -580,14 +555,12 @@ def test_cross_entropy_invalid_targets(backend, target_dtype):
         loss, lse, row_weight, grad_logits = _cross_entropy_forward(backend, logits, target, weight, options, grad,
                                                                     grad_scale, loss_fill=0.5)
         assert torch.isnan(loss[invalid]).all(), f"loss of the rows with invalid targets: {loss[invalid]}"
-        expected, expected_lse = _reference(logits[known], target[known], weight, options)
-        assert_close(loss[known], expected, torch.float32, "loss of the other rows")
-        _, expected_lse = _reference(logits, torch.zeros_like(target), weight, options)
-        assert_close(lse, expected_lse, torch.float32, "lse")
-        assert torch.equal(row_weight[known], _expected_row_weight(target[known], weight, -100))
+        expected = cross_entropy_contract(logits, target, weight, grad_scale, **options)
+        assert_close(loss[known], expected.loss[known], torch.float32, "loss of the other rows")
+        assert_close(lse, expected.lse, torch.float32, "lse")
+        assert torch.equal(row_weight[known], expected.row_weight[known].float())
         if grad is not None:
-            expected_grad = _expected_gradient(logits[known], target[known], weight, grad_scale[known], options)
-            assert_close(grad_logits[known], expected_grad, torch.float32, "gradient of the other rows")
+            assert_close(grad_logits[known], expected.grad[known], torch.float32, "gradient of the other rows")
 
 
 # -- cross_entropy.py, a slice of the classes (vocabulary-parallel): row_stats and gradient
@@ -858,15 +831,14 @@ def test_unaligned_tensors_stay_in_bounds(backend, dtype):
         _check_softmax_backward(backend, dtype, (3, 70), log, lead=UNALIGNED)
     logits, target, weight, options = _cross_entropy_inputs(
         dtype, **CROSS_ENTROPY_CASES["softcap-z-loss-weighted-smoothed"])
-    expected, _ = _reference(logits, target, weight, options)
     grad_scale = torch.rand(logits.shape[0], device=DEVICE) + 0.5
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, **options)
     for grad in (None, "separate", "in-place"):
         loss, _, _, grad_logits = _cross_entropy_forward(backend, logits, target, weight, options, grad, grad_scale,
                                                          lead=UNALIGNED)
-        assert_close(loss, expected, torch.float32, f"loss ({grad or 'no'} gradient)")
+        assert_close(loss, expected.loss, torch.float32, f"loss ({grad or 'no'} gradient)")
         if grad is not None:
-            assert_close(grad_logits, _expected_gradient(logits, target, weight, grad_scale, options), dtype,
-                         f"grad_logits {grad}")
+            assert_close(grad_logits, expected.grad, dtype, f"grad_logits {grad}")
     factor = torch.rand(5, device=DEVICE) + 0.5
     before, after = _check_scale(backend, dtype, factor, lead=UNALIGNED)
     assert_close(after, before.double() * factor.double().unsqueeze(1), dtype, "scale per row")

@@ -14,12 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, assert_close, backends_under_test, float16_gradient_error_ratio
+from harness import DEVICE, assert_close, float16_gradient_error_ratio, on_each_backend
 from multisoft import _registry
 from multisoft.check import DTYPES, reference_cross_entropy
 
-BACKENDS = backends_under_test()
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 each_reduction = pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 

@@ -18,8 +18,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
-from multisoft_cupy import _instances, _tuning  # noqa: E402  (import no CUDA framework)
+from multisoft_cupy import _instances, _tuning  # (import no CUDA framework)
 
 ARCHS = ("sm_80", "sm_90")
 

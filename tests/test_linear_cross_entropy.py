@@ -27,12 +27,10 @@ import torch
 import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, assert_close, backends_under_test
+from harness import DEVICE, assert_close, on_each_backend
 from multisoft import _linear_cross_entropy
 from multisoft.check import reference_cross_entropy
 
-BACKENDS = backends_under_test()
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 each_reduction = pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 CLASSES, HIDDEN = 37, 16
 

@@ -14,11 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, assert_close, backends_under_test
+from harness import DEVICE, assert_close, on_each_backend
 from multisoft.check import DTYPES, reference_cross_entropy
-
-BACKENDS = backends_under_test()
-on_each_backend = pytest.mark.parametrize("backend", BACKENDS)
 
 
 # -- inplace_backward and autograd

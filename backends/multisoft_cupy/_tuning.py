@@ -75,8 +75,8 @@ def _smallest_fitting(configs, columns: int, elem_size: int):
 
 
 def _half_forward_config(columns: int, cc: int) -> RowConfig:
-    """16-bit forward: warps, or 512-thread blocks (two per multiprocessor) over two register tiles, which
-    measured faster than one pass of 1024-thread blocks."""
+    """16-bit forward: warps, or 512-thread blocks (two per multiprocessor) over two register tiles
+    (docs/tuning.md)."""
     if columns <= 1024:
         return _smallest_fitting((RowConfig(32, 4, 1), RowConfig(32, 4, 2), RowConfig(32, 4, 4)), columns, 2)
     if columns <= 4096:
@@ -101,7 +101,7 @@ def softmax_config(direction: str, columns: int, elem_size: int, cc: int) -> Row
     if direction == "fwd" and elem_size == 2:
         return _half_forward_config(columns, cc)
     if direction == "bwd" and elem_size == 2 and 512 < columns <= 1024:
-        return RowConfig(32, 4, 2)  # measured: two tiles per warp beat one
+        return RowConfig(32, 4, 2)  # two tiles a warp (docs/tuning.md)
     # 16-byte vectors per thread that stay in registers without spilling at 1024 threads
     budget = 8 if direction == "fwd" and elem_size == 4 else 4
     return _smallest_fitting(_ordered(SOFTMAX_CONFIGS, cc, budget, elem_size), columns, elem_size)
@@ -223,7 +223,7 @@ CE_FWD_BLOCK_16BIT = RowConfig(256, 1, 4, 1, 4)  # forward, 16-bit: a block per 
 CE_FWD_CLUSTERS = (RowConfig(256, 1, 4, 4), RowConfig(256, 1, 4, 8))
 CE_FWD_CONFIGS = (CE_FWD_WARP, CE_FWD_BLOCK, CE_FWD_BLOCK_16BIT, *CE_FWD_CLUSTERS)  # every forward configuration
 # The gradient's scaling (ce_scale): TPR threads per block, VPT vectors per thread, MIN_BLOCKS a multiprocessor
-# (rows, cluster unused): the shape an elementwise cross-entropy backward measured best with (docs/tuning.md).
+# (rows, cluster unused) (docs/tuning.md).
 CE_SCALE_CONFIG = RowConfig(256, 1, 4, 1, 4)
 CE_SCALE_BLOCKS_PER_SM = 8  # blocks of ce_scale a multiprocessor at most (two waves of four), walking the rows
 

@@ -10,8 +10,7 @@
 // have chunks that have not started, so a row needs no more chunks than
 // blocks that can run at once (the caller keeps chunks <= the multiprocessor
 // count). Needs zeroed counters; any N and alignment (`vec_ok` as in the row
-// kernels). Chunks staged in shared memory instead measured slower
-// (docs/tuning.md).
+// kernels). Its settings: docs/tuning.md.
 #include "common.cuh"
 
 #define MS_COUNTER_STRIDE 32  // one 128-byte line per row counter

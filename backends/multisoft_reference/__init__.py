@@ -1,9 +1,11 @@
 """The float64 reference backend: every op in PyTorch with float64 arithmetic, on every device and dtype.
 
-Exact answers over speed (and a float64 copy of every input): the agreement
-tests and ``python -m multisoft check`` compare against it, and anyone who
-wants exact answers names it (``backend="reference"``). The automatic choice
-never picks it (``AUTOMATIC = False``); its fast sibling is ``torch``.
+Exact answers over speed (and a float64 copy of every input), for anyone who
+wants them: name it (``backend="reference"``). The automatic choice never
+picks it (``AUTOMATIC = False``); its fast sibling is ``torch``. The tests and
+``python -m multisoft check`` do not compare against it: they compare every
+backend, this one included, against the float64 references of
+``multisoft/check.py`` (through ``tests/harness.py``).
 """
 
 from __future__ import annotations

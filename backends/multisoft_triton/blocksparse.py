@@ -70,7 +70,7 @@ def _any_not_finite(v):
 @triton.jit
 def _grad(y, dy, dot, scale):
     """scale * y * (dy - dot), 0 wherever y is 0 (masked elements, zero probabilities), also in a row whose dot is
-    NaN (a select: guarding it by the programs' dots instead, a reduction over its rows, was no faster)."""
+    NaN (a select, docs/tuning.md)."""
     return tl.where(y == 0.0, 0.0, scale * y * (dy - dot))
 
 
@@ -241,9 +241,8 @@ def _fwd_rows_kernel(x_ptr, out_ptr, offsets_ptr, nnz, c, causal_ptr, zero, BLOC
     that a row's unmasked elements come out as dense softmax gives them (NaN throughout for a NaN or +inf among them,
     or when all are -inf). The causal mask's elements come out 0 but in such a row, or one with nothing unmasked
     (max -inf, sum 0: 0 * inf): where the program has one, they are set to 0 (a select the others leave out). The
-    held part's mask is then formed again from `zero`, a run-time 0: from 0 itself the compiler kept the load's
-    mask alive through the streaming loops (on an H200, 80 registers, not 63, and the causal bf16 forward 26 %
-    slower; this way it is level with the kernel without the select)."""
+    held part's mask is then formed again from `zero`, a run-time 0: from 0 itself the compiler keeps the load's
+    mask alive through the streaming loops, which costs registers and speed (docs/tuning.md)."""
     group, start, count, i = _row_program(offsets_ptr, ROWS, B)
     kept = i
     if CAUSAL:
