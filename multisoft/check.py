@@ -249,14 +249,16 @@ def _cases(device: torch.device, small: bool):
             target[::5] = -100
             target = target.to(device)
             weight = (torch.rand(classes, generator=gen) + 0.5).to(device)
-            kwargs = dict(weight=weight, label_smoothing=0.1, softcap=15.0, lse_square_scale=1e-3, return_lse=True)
+            # a sum: gradients of order 1. A mean's are of order 1 / rows, below the atol of 16-bit dtypes at the
+            # GPU's rows, and a float16 mean's forward rounds them before the backward's incoming gradient (a loss
+            # scale) could restore them: a known shortfall of linear_cross_entropy, not what this case checks
+            kwargs = dict(weight=weight, label_smoothing=0.1, softcap=15.0, lse_square_scale=1e-3, return_lse=True,
+                          reduction="sum")
             loss, lse = multisoft.linear_cross_entropy(x, w, target, linear_bias=b, backend=backend,
                                                        chunk_size=chunk_size, **kwargs)
-            # an incoming gradient of `rows` undoes the mean's division: gradients of order 1, not of atol
-            grads = torch.autograd.grad(loss, (x, w, b), torch.full_like(loss, rows))
+            grads = torch.autograd.grad(loss, (x, w, b))
             leaves, logits, (expected, expected_lse) = reference_linear_cross_entropy(x, w, target, b, **kwargs)
-            *expected_grads, grad_logits = torch.autograd.grad(expected, (*leaves, logits),
-                                                               torch.full_like(expected, rows))
+            *expected_grads, grad_logits = torch.autograd.grad(expected, (*leaves, logits))
             magnitudes = linear_gradient_magnitudes(grad_logits, x, w)
             results = {"forward": (loss, expected, None), "lse": (lse, expected_lse, None)}
             for name, *result in zip(("input", "weight", "bias"), grads, expected_grads, magnitudes):
