@@ -17,6 +17,7 @@ from ._blocksparse import (
 )
 from ._cross_entropy import cross_entropy
 from ._linear_cross_entropy import linear_cross_entropy
+from ._loss_rules import LossOptions
 from ._softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = [
     "BackendUnavailableError",
     "BlockSparseLUT",
     "BlockSparseLayout",
+    "LossOptions",
     "available_backends",
     "backends",
     "blocksparse_from_dense",

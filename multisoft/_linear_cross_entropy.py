@@ -48,28 +48,23 @@ rank's width).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import _validate
-from ._cross_entropy import (_broadcast_value, _denominator, _is_dtensor, _lse_gradient, _stats_dtype,
-                             check_targets_in_bounds, check_weight, cross_entropy, index_targets, validate_arguments)
+from ._cross_entropy import cross_entropy
 from ._forward_ad import refuse_tangents, refuse_transforms
+from ._loss_rules import (LossOptions, broadcast_value, check_targets_in_bounds, check_weight, denominator,
+                          double_backward_error, index_targets, is_dtensor, loss_options, lse_gradient, reduce_rows,
+                          run_eagerly, second_backward_error, stats_dtype)
 from ._registry import get_backend, resolve_name
 
 # A chunk's logits take at most CHUNK_BYTES (or an eighth of all the logits, if less), but a chunk has at least
 # MIN_CHUNK_ROWS rows (all of them where there are fewer): matmuls of that height still run near the GPU's peak.
 CHUNK_BYTES = 256 << 20
 MIN_CHUNK_ROWS = 1024
-
-_SECOND_BACKWARD = ("multisoft.linear_cross_entropy computes its gradients in the forward and hands them out in the "
-                    "first backward: a second backward through the same graph is not possible (compute the loss "
-                    "again)")
-_DOUBLE_BACKWARD = ("multisoft.linear_cross_entropy does not support double backward (create_graph=True): its "
-                    "gradients are computed chunk by chunk and the logits are not kept")
 
 
 def default_chunk_rows(rows: int, classes: int, element_size: int) -> int:
@@ -80,16 +75,12 @@ def default_chunk_rows(rows: int, classes: int, element_size: int) -> int:
     return max(1, min(rows, max(MIN_CHUNK_ROWS, min(eighth, budget))))
 
 
-@dataclass(frozen=True)
-class _Options:
-    ignore_index: int
-    label_smoothing: float
-    softcap: float            # 0.0: none
-    lse_square_scale: float
-    reduction: str
+class _Plan(NamedTuple):
+    """What one call's chunk passes run with, passed as one value through the autograd Function."""
+    options: LossOptions
     backend: str
     chunk_rows: int
-    layout: object = None     # vocabulary-parallel: this rank's slice of the classes (a _vocab_parallel._Slice)
+    vocab_slice: object = None  # vocabulary-parallel: this rank's slice of the classes (a vocab_parallel.VocabSlice)
 
 
 class _WholeChunks:
@@ -100,21 +91,20 @@ class _WholeChunks:
     lse, row_weight), each (M,), or None without a loss to compute; ``grad_scale`` and ``grad_lse`` (M,) or
     None."""
 
-    def __init__(self, target, weight, options, stats, grad_scale=None, grad_lse=None):
-        self.target, self.weight, self.options, self.stats = target, weight, options, stats
+    def __init__(self, target, weight, plan: _Plan, stats, grad_scale=None, grad_lse=None):
+        self.target, self.weight, self.options, self.stats = target, weight, plan.options, stats
         self.grad_scale, self.grad_lse = grad_scale, grad_lse
-        self.kernels = get_backend(options.backend).kernels("cross_entropy")
+        self.kernels = get_backend(plan.backend).kernels("cross_entropy")
 
     def __call__(self, logits, rows: slice) -> None:
         options, grad_scale = self.options, self.grad_scale
         check_targets_in_bounds(self.target[rows], logits.shape[1], options.ignore_index)
-        lse_part = _lse_gradient(logits, self.grad_lse[rows], options.softcap) if self.grad_lse is not None else None
+        lse_part = lse_gradient(logits, self.grad_lse[rows], options.softcap) if self.grad_lse is not None else None
         if self.stats is not None:
             loss_rows, lse, row_weight = self.stats
             self.kernels.forward(logits, self.target[rows], self.weight, loss_rows[rows], lse[rows], row_weight[rows],
                                  logits if grad_scale is not None else None,
-                                 grad_scale[rows] if grad_scale is not None else None, options.ignore_index,
-                                 options.label_smoothing, options.softcap, options.lse_square_scale)
+                                 grad_scale[rows] if grad_scale is not None else None, options)
         if lse_part is not None:
             if grad_scale is not None:
                 logits.add_(lse_part)
@@ -171,48 +161,40 @@ def _stats(rows, dtype, device, separate=False):
     return tuple(torch.empty((3, rows), dtype=dtype, device=device).unbind())
 
 
-def _sliced_chunks(target, weight, options, row_max_sum, **kwargs):
-    """The vocabulary-parallel step (``_vocab_parallel.LinearChunks``) for these options."""
-    from . import _vocab_parallel
+def _sliced_chunks(target, weight, plan: _Plan, row_max_sum, **kwargs):
+    """The vocabulary-parallel step (``vocab_parallel.LinearChunks``) of this plan."""
+    from .vocab_parallel import LinearChunks
 
-    sliced_options = _vocab_parallel._Options(options.ignore_index, options.reduction, options.label_smoothing,
-                                              options.softcap, options.lse_square_scale)
-    return _vocab_parallel.LinearChunks(target, weight, options.layout, sliced_options, options.backend,
-                                        row_max_sum, **kwargs)
+    return LinearChunks(target, weight, plan.vocab_slice, plan.options, plan.backend, row_max_sum, **kwargs)
 
 
-def _forward(input2d, linear_weight, linear_bias, target, weight, options, want, separate=False):
+def _forward(input2d, linear_weight, linear_bias, target, weight, plan: _Plan, want, separate=False):
     """(loss reduced, every row's lse, the gradients of input, linear_weight and linear_bias where ``want`` asks
     and the loss is reduced (for an incoming gradient of 1), and with a slice of the classes the whole rows'
     (2, M) max and sum of exponentials, else None)."""
-    rows, dtype, device = input2d.shape[0], _stats_dtype(input2d.dtype), input2d.device
-    classes = options.layout.total if options.layout is not None else linear_weight.shape[0]
-    denominator = grad_scale = None
+    rows, dtype, device = input2d.shape[0], stats_dtype(input2d.dtype), input2d.device
+    options = plan.options
+    classes = plan.vocab_slice.total if plan.vocab_slice is not None else linear_weight.shape[0]
+    mean_denominator = grad_scale = None
     with_grad = any(want) and options.reduction != "none"
     if options.reduction == "mean":
-        denominator = _denominator(target, weight, options.ignore_index, classes, dtype)
+        mean_denominator = denominator(target, weight, options.ignore_index, classes, dtype)
         if with_grad:
-            grad_scale = denominator.reciprocal().expand(rows)
+            grad_scale = mean_denominator.reciprocal().expand(rows)
     elif with_grad:
-        grad_scale = _broadcast_value(rows, dtype, device)
+        grad_scale = broadcast_value(rows, dtype, device)
     stats = _stats(rows, dtype, device, separate)
     row_max_sum = None
-    if options.layout is None:
-        step = _WholeChunks(target, weight, options, stats, grad_scale)
+    if plan.vocab_slice is None:
+        step = _WholeChunks(target, weight, plan, stats, grad_scale)
     else:
         row_max_sum = torch.empty((2, rows), dtype=dtype, device=device)
-        step = _sliced_chunks(target, weight, options, row_max_sum, loss_rows=stats[0], lse=stats[1],
+        step = _sliced_chunks(target, weight, plan, row_max_sum, loss_rows=stats[0], lse=stats[1],
                               grad_scale=grad_scale)
-    grads = _chunk_pass(input2d, linear_weight, linear_bias, options.chunk_rows, step,
+    grads = _chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step,
                         want if with_grad else (False, False, False))
     loss_rows, lse, _ = stats
-    if options.reduction == "none":
-        loss = loss_rows
-    elif options.reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        loss = torch.div(loss_rows.sum(), denominator)
-    return loss, lse, grads, row_max_sum
+    return reduce_rows(loss_rows, options.reduction, mean_denominator), lse, grads, row_max_sum
 
 
 def _per_row_factor(grad, dtype):
@@ -222,21 +204,21 @@ def _per_row_factor(grad, dtype):
     return flat if flat.is_contiguous() or not any(flat.stride()) else flat.contiguous()
 
 
-def _recompute(input2d, linear_weight, linear_bias, target, weight, row_max_sum, options, want, grad, grad_lse):
+def _recompute(input2d, linear_weight, linear_bias, target, weight, row_max_sum, plan: _Plan, want, grad, grad_lse):
     """The backward's own chunk pass: the loss's gradient times ``grad`` per row (reduction="none"; None: no
     gradient of the loss) plus the lse's gradient (``grad_lse``, or None). With a slice of the classes
     ``row_max_sum`` is the forward's whole rows' max and sum, so that nothing is gathered again."""
-    dtype = _stats_dtype(input2d.dtype)
+    dtype = stats_dtype(input2d.dtype)
     grad_scale = _per_row_factor(grad, dtype) if grad is not None else None
     grad_lse = grad_lse.reshape(-1).to(dtype) if grad_lse is not None else None
     if grad_scale is None and grad_lse is None:
         return None, None, None
-    if options.layout is None:
+    if plan.vocab_slice is None:
         stats = _stats(input2d.shape[0], dtype, input2d.device) if grad_scale is not None else None
-        step = _WholeChunks(target, weight, options, stats, grad_scale, grad_lse)
+        step = _WholeChunks(target, weight, plan, stats, grad_scale, grad_lse)
     else:
-        step = _sliced_chunks(target, weight, options, row_max_sum, grad_scale=grad_scale, grad_lse=grad_lse)
-    return _chunk_pass(input2d, linear_weight, linear_bias, options.chunk_rows, step, want)
+        step = _sliced_chunks(target, weight, plan, row_max_sum, grad_scale=grad_scale, grad_lse=grad_lse)
+    return _chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step, want)
 
 
 def _add(grads, more):
@@ -256,39 +238,36 @@ def _scale_in_place(grads, grad, backend):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input2d, linear_weight, linear_bias, target, weight, options, want, return_lse):
-        loss, lse, grads, row_max_sum = _forward(input2d, linear_weight, linear_bias, target, weight, options,
-                                                 want)
-        ctx.options, ctx.want, ctx.grads = options, want, grads
+    def forward(ctx, input2d, linear_weight, linear_bias, target, weight, plan: _Plan, want, return_lse):
+        loss, lse, grads, row_max_sum = _forward(input2d, linear_weight, linear_bias, target, weight, plan, want)
+        ctx.plan, ctx.want, ctx.grads = plan, want, grads
         ctx.set_materialize_grads(False)
-        if options.reduction == "none" or return_lse:
+        if plan.options.reduction == "none" or return_lse:
             ctx.save_for_backward(input2d, linear_weight, linear_bias, target, weight, row_max_sum)
         return (loss, lse) if return_lse else loss
 
     @staticmethod
     def backward(ctx, grad, grad_lse=None):
         if torch.is_grad_enabled():
-            raise RuntimeError(_DOUBLE_BACKWARD)
-        options = ctx.options
-        if options.reduction == "none":
-            grads = _recompute(*ctx.saved_tensors, options, ctx.want, grad, grad_lse)
+            raise double_backward_error("linear_cross_entropy")
+        plan = ctx.plan
+        if plan.options.reduction == "none":
+            grads = _recompute(*ctx.saved_tensors, plan, ctx.want, grad, grad_lse)
         else:
             grads, ctx.grads = ctx.grads, None
             if grads is None:
-                raise RuntimeError(_SECOND_BACKWARD)
-            grads = _scale_in_place(grads, grad, options.backend) if grad is not None else (None, None, None)
+                raise second_backward_error("linear_cross_entropy")
+            grads = _scale_in_place(grads, grad, plan.backend) if grad is not None else (None, None, None)
             if grad_lse is not None:
-                grads = _add(grads, _recompute(*ctx.saved_tensors, options, ctx.want, None, grad_lse))
+                grads = _add(grads, _recompute(*ctx.saved_tensors, plan, ctx.want, None, grad_lse))
         return (*grads, None, None, None, None, None)
 
 
 # -- torch.library ops, used under torch.compile: the whole chunk loop is one op (forward: loss, lse and, for a
 # reduced loss, the three gradients; backward: the recomputing pass), the incoming gradient applied by a torch
-# multiplication (one pass over each gradient, where the eager path skips a gradient of 1)
-
-
-def _options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend, chunk_rows):
-    return _Options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend, chunk_rows)
+# multiplication (one pass over each gradient, where the eager path skips a gradient of 1). Their signatures take
+# the LossOptions field by field, in its order, then the backend and the chunk's rows (torch.library takes no
+# record).
 
 
 def _placeholder(grad, like):
@@ -298,12 +277,13 @@ def _placeholder(grad, like):
 @torch.library.custom_op("multisoft::linear_cross_entropy_forward", mutates_args=())
 def linear_cross_entropy_forward_op(
         input2d: torch.Tensor, linear_weight: torch.Tensor, linear_bias: Optional[torch.Tensor],
-        target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
-        softcap: float, lse_square_scale: float, reduction: str, backend: str, chunk_rows: int, want_input: bool,
-        want_weight: bool, want_bias: bool, return_lse: bool
+        target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int, reduction: str,
+        label_smoothing: float, softcap: float, lse_square_scale: float, backend: str, chunk_rows: int,
+        want_input: bool, want_weight: bool, want_bias: bool, return_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend, chunk_rows)
-    loss, lse, grads, _ = _forward(input2d, linear_weight, linear_bias, target, weight, options,
+    plan = _Plan(LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale), backend,
+                 chunk_rows)
+    loss, lse, grads, _ = _forward(input2d, linear_weight, linear_bias, target, weight, plan,
                                    (want_input, want_weight, want_bias), separate=True)
     return loss, lse, *(_placeholder(g, input2d) for g in grads)
 
@@ -314,9 +294,9 @@ def _fake_grads(input2d, linear_weight, linear_bias, want):
 
 
 @linear_cross_entropy_forward_op.register_fake
-def _(input2d, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing, softcap,
-      lse_square_scale, reduction, backend, chunk_rows, want_input, want_weight, want_bias, return_lse):
-    rows, dtype = input2d.shape[0], _stats_dtype(input2d.dtype)
+def _(input2d, linear_weight, linear_bias, target, weight, ignore_index, reduction, label_smoothing, softcap,
+      lse_square_scale, backend, chunk_rows, want_input, want_weight, want_bias, return_lse):
+    rows, dtype = input2d.shape[0], stats_dtype(input2d.dtype)
     loss = input2d.new_empty(rows if reduction == "none" else (), dtype=dtype)
     want = (want_input, want_weight, want_bias) if reduction != "none" else (False, False, False)
     return loss, input2d.new_empty(rows, dtype=dtype), *_fake_grads(input2d, linear_weight, linear_bias, want)
@@ -326,34 +306,39 @@ def _(input2d, linear_weight, linear_bias, target, weight, ignore_index, label_s
 def linear_cross_entropy_backward_op(
         input2d: torch.Tensor, linear_weight: torch.Tensor, linear_bias: Optional[torch.Tensor],
         target: torch.Tensor, weight: Optional[torch.Tensor], grad: Optional[torch.Tensor],
-        grad_lse: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-        lse_square_scale: float, backend: str, chunk_rows: int, want_input: bool, want_weight: bool,
+        grad_lse: Optional[torch.Tensor], ignore_index: int, reduction: str, label_smoothing: float,
+        softcap: float, lse_square_scale: float, backend: str, chunk_rows: int, want_input: bool, want_weight: bool,
         want_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _options(ignore_index, label_smoothing, softcap, lse_square_scale, "none", backend, chunk_rows)
-    grads = _recompute(input2d, linear_weight, linear_bias, target, weight, None, options,
+    """The recomputing pass of the backward (the loss's gradient per row as reduction="none" computes it, and
+    the lse's), whatever ``reduction`` the forward had."""
+    plan = _Plan(LossOptions(ignore_index, "none", label_smoothing, softcap, lse_square_scale), backend, chunk_rows)
+    grads = _recompute(input2d, linear_weight, linear_bias, target, weight, None, plan,
                        (want_input, want_weight, want_bias), grad, grad_lse)
     return tuple(_placeholder(g, input2d) for g in grads)
 
 
 @linear_cross_entropy_backward_op.register_fake
-def _(input2d, linear_weight, linear_bias, target, weight, grad, grad_lse, ignore_index, label_smoothing, softcap,
-      lse_square_scale, backend, chunk_rows, want_input, want_weight, want_bias):
+def _(input2d, linear_weight, linear_bias, target, weight, grad, grad_lse, ignore_index, reduction, label_smoothing,
+      softcap, lse_square_scale, backend, chunk_rows, want_input, want_weight, want_bias):
     return _fake_grads(input2d, linear_weight, linear_bias, (want_input, want_weight, want_bias))
 
 
+_OPTION_FIELDS = len(LossOptions._fields)
+
+
 def _setup_context(ctx, inputs, output):
-    (input2d, linear_weight, linear_bias, target, weight, ctx.ignore_index, ctx.label_smoothing, ctx.softcap,
-     ctx.lse_square_scale, ctx.reduction, ctx.backend, ctx.chunk_rows, *want, ctx.return_lse) = inputs
-    ctx.want = tuple(want)
+    input2d, linear_weight, linear_bias, target, weight, *rest = inputs
+    ctx.options = LossOptions(*rest[:_OPTION_FIELDS])
+    ctx.backend, ctx.chunk_rows, *want, ctx.return_lse = rest[_OPTION_FIELDS:]
+    ctx.want, ctx.arguments = tuple(want), len(inputs)
     ctx.save_for_backward(input2d, linear_weight, linear_bias, target, weight, *output[2:])
 
 
 def _op_backward(ctx, grad, grad_lse, *_grad_of_gradients):
     input2d, linear_weight, linear_bias, target, weight, *saved = ctx.saved_tensors
-    arguments = (ctx.ignore_index, ctx.label_smoothing, ctx.softcap, ctx.lse_square_scale, ctx.backend,
-                 ctx.chunk_rows, *ctx.want)
+    arguments = (*ctx.options, ctx.backend, ctx.chunk_rows, *ctx.want)
     grad_lse = grad_lse if ctx.return_lse else None
-    if ctx.reduction == "none":
+    if ctx.options.reduction == "none":
         grads = linear_cross_entropy_backward_op(input2d, linear_weight, linear_bias, target, weight, grad,
                                                  grad_lse, *arguments)
     else:
@@ -363,7 +348,7 @@ def _op_backward(ctx, grad, grad_lse, *_grad_of_gradients):
                                                     grad_lse, *arguments)
             grads = tuple(g + m for g, m in zip(grads, more))
     grads = tuple(g if wanted else None for g, wanted in zip(grads, ctx.want))
-    return (*grads, None, None, None, None, None, None, None, None, None, None, None, None, None)
+    return (*grads, *(None,) * (ctx.arguments - 3))
 
 
 linear_cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -374,17 +359,17 @@ linear_cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_s
 
 def _no_dtensor(**tensors):
     for name, tensor in tensors.items():
-        if _is_dtensor(tensor):
+        if is_dtensor(tensor):
             raise TypeError(f"{name} is a DTensor: linear_cross_entropy takes plain tensors (with process_group, "
                             f"this rank's local rows of the output layer, e.g. linear_weight.to_local())")
 
 
-def _check(input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
-           lse_square_scale, softcap, return_lse, chunk_size, process_group):
-    """Validates the arguments; returns (label_smoothing, lse_square_scale, softcap as floats, 0.0 for none, this
-    rank's slice of the classes or None without ``process_group``). What needs no other rank is checked first;
-    then with ``process_group`` the ranks' slices are learned (a collective the first time) and the number of
-    classes and ``weight`` are checked against all of them."""
+def _check(input, linear_weight, target, linear_bias, weight, options: LossOptions, return_lse, chunk_size,
+           process_group):
+    """Validates the tensors and the flags (the loss options are validated already); returns this rank's slice of
+    the classes (a ``vocab_parallel.VocabSlice``), or None without ``process_group``. What needs no other rank is
+    checked first; then with ``process_group`` the ranks' slices are learned (one small all-gather) and the number
+    of classes and ``weight`` are checked against all of them."""
     _no_dtensor(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
     _validate.floating(input, "input")
     _validate.floating(linear_weight, "linear_weight")
@@ -416,22 +401,18 @@ def _check(input, linear_weight, target, linear_bias, weight, ignore_index, redu
                           weight=weight)
     if chunk_size is not None and _validate.integer(chunk_size, "chunk_size") < 1:
         raise ValueError(f"chunk_size must be a number of rows >= 1, or None for the default; got {chunk_size}")
-    # the options as multisoft.cross_entropy checks them, against logits of the right shape that take no memory
-    logits_shape = torch.empty((), dtype=input.dtype, device=input.device).expand(target.numel(), classes)
-    _, label_smoothing, lse_square_scale, softcap, _ = validate_arguments(
-        logits_shape, target.reshape(-1), None, ignore_index, reduction, label_smoothing, lse_square_scale,
-        softcap, return_lse, False, sliced=True)
-    layout, where = None, ""
+    _validate.boolean(return_lse, "return_lse")
+    vocab_slice, where = None, ""
     if process_group is not None:
-        from . import _vocab_parallel
+        from .vocab_parallel import VocabSlice
 
-        _vocab_parallel._check_group(process_group)
-        layout = _vocab_parallel._slice_of(process_group, classes, input.device)
-        classes, where = layout.total, " on any rank of process_group"
+        vocab_slice = VocabSlice.of(process_group, classes, input.device)
+        classes, where = vocab_slice.total, " on any rank of process_group"
     if classes == 0 and target.numel() > 0:
         raise ValueError(f"linear_weight has no rows{where} (no classes): there is nothing to predict from")
-    check_weight(weight, classes, logits_shape)  # all V classes with process_group
-    return label_smoothing, lse_square_scale, softcap, layout
+    # all V classes with process_group; errors name the logits ``input``, as multisoft.cross_entropy's do
+    check_weight(weight, classes, input)
+    return vocab_slice
 
 
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
@@ -498,13 +479,12 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                     weight=weight)
     if ignore_index is None:
         ignore_index = -100
+    options = loss_options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)
     input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
-    arguments = (input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
-                 lse_square_scale, softcap, return_lse, backend, chunk_size, process_group)
+    arguments = (input, linear_weight, target, linear_bias, weight, options, return_lse, backend, chunk_size,
+                 process_group)
     if process_group is not None:
-        from . import _vocab_parallel
-
-        return _vocab_parallel.linear_cross_entropy(_linear_cross_entropy, *arguments)
+        return run_eagerly(_linear_cross_entropy, *arguments)
     return _linear_cross_entropy(*arguments)
 
 
@@ -526,43 +506,41 @@ def _autocast(input, linear_weight, linear_bias):
     return cast(input), cast(linear_weight), cast(linear_bias)
 
 
-def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                          label_smoothing, lse_square_scale, softcap, return_lse, backend, chunk_size,
-                          process_group):
-    label_smoothing, lse_square_scale, softcap, layout = _check(
-        input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
-        lse_square_scale, softcap, return_lse, chunk_size, process_group)
+def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, options: LossOptions, return_lse,
+                          backend, chunk_size, process_group):
+    vocab_slice = _check(input, linear_weight, target, linear_bias, weight, options, return_lse, chunk_size,
+                         process_group)
     backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend), "cross_entropy")
     input2d = input.reshape(target.numel(), input.shape[-1])
-    flat_target = index_targets(target, ignore_index)
+    flat_target = index_targets(target, options.ignore_index)
     rows = input2d.shape[0]
     if rows == 0:
         return cross_entropy(F.linear(input2d, linear_weight, linear_bias), flat_target, weight,
-                             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                             lse_square_scale=lse_square_scale, softcap=softcap or None, return_lse=return_lse,
-                             backend=backend, process_group=process_group)
+                             ignore_index=options.ignore_index, reduction=options.reduction,
+                             label_smoothing=options.label_smoothing, lse_square_scale=options.lse_square_scale,
+                             softcap=options.softcap or None, return_lse=return_lse, backend=backend,
+                             process_group=process_group)
     input2d = input2d.contiguous()
     if weight is not None:
-        weight = weight.to(_stats_dtype(input.dtype)).contiguous()
+        weight = weight.to(stats_dtype(input.dtype)).contiguous()
     # every rank of a group runs as many chunks (one all-gather each): the rows a chunk takes on the widest
-    widest = layout.widest if layout is not None else linear_weight.shape[0]
+    widest = vocab_slice.widest if vocab_slice is not None else linear_weight.shape[0]
     chunk_rows = chunk_size if chunk_size is not None else default_chunk_rows(rows, widest, input.element_size())
-    options = _Options(ignore_index, label_smoothing, softcap, lse_square_scale, reduction, backend,
-                       min(chunk_rows, rows), layout)
+    plan = _Plan(options, backend, min(chunk_rows, rows), vocab_slice)
     grad_enabled = torch.is_grad_enabled()
     want = tuple(bool(grad_enabled and t is not None and t.requires_grad)
                  for t in (input2d, linear_weight, linear_bias))
-    if torch.compiler.is_compiling() and layout is None:
+    if torch.compiler.is_compiling() and vocab_slice is None:
         loss, lse, *_ = linear_cross_entropy_forward_op(
-            input2d, linear_weight, linear_bias, flat_target, weight, ignore_index, label_smoothing, softcap,
-            lse_square_scale, reduction, backend, options.chunk_rows, *want, return_lse)
+            input2d, linear_weight, linear_bias, flat_target, weight, *options, backend, plan.chunk_rows, *want,
+            return_lse)
     elif any(want):
-        result = _LinearCrossEntropy.apply(input2d, linear_weight, linear_bias, flat_target, weight, options, want,
+        result = _LinearCrossEntropy.apply(input2d, linear_weight, linear_bias, flat_target, weight, plan, want,
                                            return_lse)
         loss, lse = result if return_lse else (result, None)
     else:
-        loss, lse, _, _ = _forward(input2d, linear_weight, linear_bias, flat_target, weight, options, want)
-    if reduction == "none":
+        loss, lse, _, _ = _forward(input2d, linear_weight, linear_bias, flat_target, weight, plan, want)
+    if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if not return_lse:
         return loss

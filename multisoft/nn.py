@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ._cross_entropy import cross_entropy, legacy_reduction
+from ._cross_entropy import cross_entropy
+from ._loss_rules import legacy_reduction
 from ._linear_cross_entropy import linear_cross_entropy
 from ._softmax import log_softmax, softmax
 

@@ -107,7 +107,7 @@ def targets_unchecked_on_the_cpu(monkeypatch):
     """Without the front's check of class-index targets on the CPU (``IndexError`` there, as torch's): what the
     front does on a GPU, so that a CPU test sees the backends' own answer to a target outside the classes (a NaN
     row, read in bounds)."""
-    from multisoft import _cross_entropy, _linear_cross_entropy, _vocab_parallel
+    from multisoft import _cross_entropy, _linear_cross_entropy, vocab_parallel
 
-    for module in (_cross_entropy, _linear_cross_entropy, _vocab_parallel):
+    for module in (_cross_entropy, _linear_cross_entropy, vocab_parallel):
         monkeypatch.setattr(module, "check_targets_in_bounds", lambda *_: None)

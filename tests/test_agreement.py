@@ -162,7 +162,7 @@ def test_cross_entropy(backend, dtype, case, reduction):
 def test_cross_entropy_inplace_backward(backend, dtype, reduction):
     """The forward writes the gradient into the logits (bumping their version); the backward scales it there by
     the incoming gradient, and it becomes the logits' .grad without a copy. A float16 mean's forward writes the
-    gradient times the mean's denominator, which the backward divides out (multisoft._cross_entropy._folds_mean)."""
+    gradient times the mean's denominator, which the backward divides out (multisoft._loss_rules.folds_mean)."""
     logits, target, weight = _ce_inputs((24, 3000), dtype, weight=True, ignore=0.2)
     kwargs = dict(weight=weight, label_smoothing=0.1, reduction=reduction, softcap=20.0, lse_square_scale=1e-3)
     expected_logits = logits.detach().double().requires_grad_()

@@ -446,7 +446,7 @@ def test_gradcheck_reference_float64():
 
 
 def test_opcheck_registered_ops():
-    from multisoft import _blocksparse as blocksparse, _cross_entropy as cross_entropy, _softmax as softmax
+    from multisoft import LossOptions, _blocksparse as blocksparse, _cross_entropy as cross_entropy, _softmax as softmax
 
     x = torch.randn(4, 9, requires_grad=True)
     torch.library.opcheck(softmax.softmax_forward_op, (x, True, "torch"))
@@ -456,11 +456,12 @@ def test_opcheck_registered_ops():
     weight = torch.rand(9)
     for reduction in ("mean", "none"):
         torch.library.opcheck(cross_entropy.cross_entropy_forward_op,
-                              (x, target, weight, -100, 0.1, 3.0, 0.01, reduction, True, True, "torch"))
+                              (x, target, weight, *LossOptions(-100, reduction, 0.1, 3.0, 0.01), True, True, "torch"))
     torch.library.opcheck(cross_entropy.cross_entropy_forward_op,
-                          (x.detach(), target, None, -100, 0.0, 0.0, 0.0, "sum", False, False, "torch"))
-    torch.library.opcheck(cross_entropy.cross_entropy_rows_op, (x, target, weight, -100, 0.1, 3.0, 0.01, "torch"))
-    torch.library.opcheck(cross_entropy.cross_entropy_rows_op, (x, target, None, -100, 0.0, 0.0, 0.0, "torch"))
+                          (x.detach(), target, None, *LossOptions(reduction="sum"), False, False, "torch"))
+    torch.library.opcheck(cross_entropy.cross_entropy_rows_op,
+                          (x, target, weight, *LossOptions(-100, "none", 0.1, 3.0, 0.01), "torch"))
+    torch.library.opcheck(cross_entropy.cross_entropy_rows_op, (x, target, None, *LossOptions(), "torch"))
     torch.library.opcheck(cross_entropy.cross_entropy_scale_op, (torch.randn(4, 9), torch.rand(4), "torch"))
     torch.library.opcheck(cross_entropy.cross_entropy_scale_op, (torch.randn(4, 9), torch.rand(1), "torch"))
     layout = torch.tensor([[[1, 0], [1, 1]]])

@@ -436,10 +436,11 @@ class _Report:
 def _join(rank, world, rendezvous, plan):
     """Joins this spawned process to the group (``plan``: its torch.distributed backend, and "cuda" for a GPU of
     its own per rank, else the CPU); returns its device."""
-    # torch._dynamo, which multisoft's vocabulary-parallel module imports, keeps the default group alive past
-    # dist.destroy_process_group() when first imported while that group exists (torch 2.13); a gloo group alive
-    # at the interpreter's exit can abort the process (test_gloo_a_destroyed_group_is_not_kept_alive)
-    import multisoft._vocab_parallel  # noqa: F401
+    # torch._dynamo, which multisoft's first vocabulary-parallel call imports (torch.compiler.disable), keeps the
+    # default group alive past dist.destroy_process_group() when first imported while that group exists (torch
+    # 2.13); a gloo group alive at the interpreter's exit can abort the process
+    # (test_gloo_a_destroyed_group_is_not_kept_alive)
+    import torch._dynamo  # noqa: F401
     if plan["device"] == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)

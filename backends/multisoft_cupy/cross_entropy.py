@@ -17,11 +17,12 @@ def _kernel_softcap(softcap: float) -> float:
     return softcap if softcap <= _FLOAT32_MAX else 0.0
 
 
-def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, options, row_stats=None) -> None:
     """A row group (warp, block or cluster) per row reads it once, and with `grad_logits` writes
     grad_scale[i] * dloss_i / dlogits (from registers, or re-reading the row's other tiles); with `row_stats`
     (3, M) each row's m, S and sum_c w[c] * u[c] (0 without label smoothing)."""
+    ignore_index, label_smoothing = options.ignore_index, options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     rows, classes = logits.shape
     elem = logits.element_size()
     cc, sm_count = device_info(device_index(logits))
@@ -37,11 +38,12 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
     launch(logits, SOURCE, expression, (_tuning.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
 
 
-def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
-                          softcap: float, lse_square_scale: float) -> None:
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, options) -> None:
     """Class-probability targets (M, C): a row group per row, as `forward` maps them, sweeps the row once for its
     loss and lse and, with `grad_logits`, a second time (the targets, and the logits but for the tile still in
     registers) for grad_scale[i] * dloss_i / dlogits."""
+    label_smoothing = options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     rows, classes = logits.shape
     elem = logits.element_size()
     cc, sm_count = device_info(device_index(logits))
@@ -57,10 +59,11 @@ def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_s
     launch(logits, SOURCE, expression, (_tuning.grid_blocks(rows, cfg), 1, 1), (cfg.threads, 1, 1), args)
 
 
-def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, options) -> None:
     """grad_logits[i, c] = du/dx * (a_i * exp(u_c - m_i) / S_i - b_i * [c == t_i] - c_i * w[c]) with the whole
     row's (m, S) = row_max_sum[:, i] and (a, b, c) = coefficients[:, i]: a block per tile of a row and per row;
     grad_logits may be logits itself."""
+    softcap = options.softcap
     rows, classes = logits.shape
     if rows == 0 or classes == 0:
         return

@@ -320,11 +320,12 @@ def _per_row(values):
     return values.contiguous(), 1
 
 
-def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, options, row_stats=None) -> None:
     """loss, lse and row_weight of every row; with grad_logits (possibly logits itself) its gradient row too,
     grad_scale[i] * dloss_i / dlogits; with row_stats (3, M) each row's m, S and sum_c w_c u_c (0 without label
     smoothing)."""
+    ignore_index, label_smoothing = options.ignore_index, options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     rows, classes = logits.shape
     with_grad = grad_logits is not None
     fmt, width, views = vector_views((logits, grad_logits) if with_grad else (logits,))
@@ -352,11 +353,12 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             numpy.float32(1.0 / softcap if softcap else 0.0), numpy.float32(lse_square_scale)))
 
 
-def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
-                          softcap: float, lse_square_scale: float) -> None:
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, options) -> None:
     """Class-probability targets: loss and lse of every row; with grad_logits its gradient row too,
     grad_scale[i] * dloss_i / dlogits. With q = (1 - eps) * target + eps / C and A = sum_c w_c q_c:
     loss = sum_c w_c q_c ((m - u_c) + log S) + s * lse**2, gradient du/dx * (p * (A + 2 s lse) - w q)."""
+    label_smoothing = options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     rows, classes = logits.shape
     with_grad = grad_logits is not None
     fmt, width, views = vector_views((logits, target, grad_logits) if with_grad else (logits, target))
@@ -380,10 +382,11 @@ def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_s
             numpy.float32(1.0 / softcap if softcap else 0.0), numpy.float32(lse_square_scale)))
 
 
-def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, options) -> None:
     """grad_logits[i, c] = du/dx * (a_i * exp(u_c - m_i) / S_i - b_i * [c == t_i] - c_i * w_c), (m, S) =
     row_max_sum[:, i] of the whole row, (a, b, c) = coefficients[:, i]; a target outside [0, C) has no term here.
     grad_logits may be logits itself."""
+    softcap = options.softcap
     rows, classes = logits.shape
     if rows == 0 or classes == 0:
         return

@@ -11,8 +11,9 @@ def _capped(logits, softcap):
     return softcap * torch.tanh(x / softcap) if softcap else x
 
 
-def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, options, row_stats=None) -> None:
+    ignore_index, label_smoothing = options.ignore_index, options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     classes = logits.shape[1]
     eps, s = label_smoothing, lse_square_scale
     u = _capped(logits, softcap)
@@ -53,10 +54,11 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
     grad_logits.copy_(grad * g.unsqueeze(1))
 
 
-def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, options) -> None:
     """For a slice of each row's classes, in float64, from the whole row's max m and sum S of exp(u - m):
     du/dx * (a * exp(u - m) / S - b at the target - c * w), (a, b, c) = ``coefficients``; a target outside
     these columns adds no target term."""
+    softcap = options.softcap
     classes = logits.shape[1]
     u = _capped(logits, softcap)
     row_max, row_sum = row_max_sum.to(torch.float64).unsqueeze(2)
@@ -68,11 +70,12 @@ def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, sof
     grad_logits.copy_(grad_u * (1.0 - (u / softcap).square()) if softcap else grad_u)
 
 
-def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
-                          softcap: float, lse_square_scale: float) -> None:
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, options) -> None:
     """Class-probability targets in float64: ``-sum_j w_j q_j log p_j + s lse**2`` with
     ``q = (1 - eps) target + eps / C``, and its gradient ``p (A + 2 s lse) - w q`` (A = sum_j w_j q_j) through the
     cap, times grad_scale."""
+    label_smoothing = options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     classes = logits.shape[1]
     u = _capped(logits, softcap)
     w = torch.ones(classes, dtype=torch.float64, device=u.device) if weight is None else weight.to(torch.float64)

@@ -59,13 +59,14 @@ def _log_sum_shifted(exponentials):
     return sums, sums.log().sub_(exponentials.amax(-1).log_())
 
 
-def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index: int,
-            label_smoothing: float, softcap: float, lse_square_scale: float, row_stats=None) -> None:
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, options, row_stats=None) -> None:
     """With u = softcap * tanh(x / softcap) (or x), per row: lse, loss (plus lse_square_scale * lse**2 when not
     ignored), row_weight, and when ``grad_logits`` is given, grad_scale[i] * d loss_i / d x, as
     p * a - (1 - eps) * w[t] at the target - eps / C * w with a = (1 - eps) * w[t] + eps / C * W + 2 * s * lse,
     times 1 - (u / softcap)**2 under a softcap. With ``row_stats`` also every row's max m of u, sum S of
     exp(u - m) (0 for a row that is all -inf) and, under label smoothing, sum_j w_j * u_j (else 0)."""
+    ignore_index, label_smoothing = options.ignore_index, options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     classes = logits.shape[1]
     keep, smooth_per_class = 1.0 - label_smoothing, label_smoothing / classes
     compute = lse.dtype
@@ -136,11 +137,12 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
             grad_logits[rows] = grad
 
 
-def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing: float,
-                          softcap: float, lse_square_scale: float) -> None:
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, options) -> None:
     """Class-probability targets, a chunk of rows at a time in float32 (float64 for float64 logits): with
     q = (1 - eps) * target + eps / C and A = sum_j w_j q_j, loss = sum_j w_j q_j ((m - u_j) + log S) + s lse**2
     and, when ``grad_logits`` is given, grad_scale * du/dx * (p * (A + 2 s lse) - w q)."""
+    label_smoothing = options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     classes = logits.shape[1]
     compute = lse.dtype
     for rows in _chunks.slices(*logits.shape, logits.device):
@@ -173,11 +175,12 @@ def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_s
         grad_logits[rows] = grad.mul_(grad_scale[rows].unsqueeze(1))
 
 
-def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap: float) -> None:
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, options) -> None:
     """For a slice of each row's classes, from the whole row's max m and sum S of exp(u - m):
     grad_logits = du/dx * (a * exp(u - m) / S - b at the target - c * w), (a, b, c) = ``coefficients``; a
     target outside these columns adds no target term. A chunk of rows at a time, in float32 (float64 for float64
     statistics); in place when ``grad_logits`` is ``logits`` (each chunk is read before it is written)."""
+    softcap = options.softcap
     classes = logits.shape[1]
     compute = row_max_sum.dtype
     workspace = _Workspace(logits, compute)

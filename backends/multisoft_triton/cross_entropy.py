@@ -423,11 +423,12 @@ def _probabilities_loop_kernel(logits_ptr, target_ptr, weight_ptr, loss_ptr, lse
             tl.store(grad_ptr + row_start + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index, label_smoothing,
-            softcap, lse_square_scale, row_stats=None):
+def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, options, row_stats=None):
     """Per-row loss, logsumexp and weight of the (M, C) logits and, when grad_logits is given (it may be the logits
     themselves), grad_scale[i] * dloss_i / dlogits into it; with row_stats (3, M), each row's m, S and
     sum_j w_j u_j (0 without label smoothing) too."""
+    ignore_index, label_smoothing = options.ignore_index, options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     M, C = logits.shape
     if M == 0:
         return
@@ -441,17 +442,17 @@ def forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_sca
     args = (logits, target, weight if weight is not None else lse, loss, lse, row_weight,
             grad_logits if write_grad else lse, grad_scale if write_grad else lse,
             grad_scale.stride(0) if write_grad else 0, row_stats if write_stats else lse, M if write_stats else 0)
-    options = (int(ignore_index), keep, smooth_per_class, softcap, 1.0 / softcap, float(lse_square_scale))
+    scalars = (int(ignore_index), keep, smooth_per_class, softcap, 1.0 / softcap, float(lse_square_scale))
     block = next_power_of_2(C)
     with on_device(logits):
         if block <= _tuning.CE_TILE_MAX:
             rows = max(1, min(_tuning.CE_TILE_ELEMENTS // block, next_power_of_2(M)))
-            launch(_tile_kernel, (triton.cdiv(M, rows),), *args, M, C, *options, ROWS=rows, BLOCK=block,
+            launch(_tile_kernel, (triton.cdiv(M, rows),), *args, M, C, *scalars, ROWS=rows, BLOCK=block,
                    num_warps=warps_for(rows * block), **flags, **LAUNCH)
         else:
             configs = _tuning.CE_LOOP_GRAD_CONFIGS if write_grad else _tuning.CE_LOOP_CONFIGS
             loop_block, warps = configs[logits.element_size()]
-            launch(_loop_kernel, (M,), *args, C, *options, BLOCK=loop_block, num_warps=warps, **flags, **LAUNCH)
+            launch(_loop_kernel, (M,), *args, C, *scalars, BLOCK=loop_block, num_warps=warps, **flags, **LAUNCH)
 
 
 def _capped_softcap(softcap):
@@ -461,10 +462,11 @@ def _capped_softcap(softcap):
     return capped, float(softcap) if capped else 1.0
 
 
-def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, softcap):
+def gradient(logits, target, weight, row_max_sum, coefficients, grad_logits, options):
     """grad_logits[i, j] = du_j/dx_j * (a_i * exp(u_j - m_i) / S_i - b_i * [j == t_i] - c_i * w_j), (m, S) =
     row_max_sum[:, i] of the whole row, (a, b, c) = coefficients[:, i]; a target outside [0, C) has no term here.
     grad_logits may be logits itself."""
+    softcap = options.softcap
     M, C = logits.shape
     if M == 0 or C == 0:
         return
@@ -493,10 +495,11 @@ def scale(grad_logits, factor):
                num_warps=warps_for(rows * block), **LAUNCH)
 
 
-def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, label_smoothing, softcap,
-                          lse_square_scale):
+def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_scale, options):
     """Per-row loss and logsumexp of the (M, C) logits against (M, C) class-probability targets and, when
     grad_logits is given (never the logits themselves), grad_scale[i] * dloss_i / dlogits into it."""
+    label_smoothing = options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     M, C = logits.shape
     if M == 0:
         return
@@ -507,14 +510,14 @@ def probabilities_forward(logits, target, weight, loss, lse, grad_logits, grad_s
                  ZLOSS=float(lse_square_scale) > 0.0, WRITE_GRAD=write_grad)
     args = (logits, target, weight if weight is not None else lse, loss, lse, grad_logits if write_grad else lse,
             grad_scale if write_grad else lse, grad_scale.stride(0) if write_grad else 0)
-    options = (1.0 - smoothing, smoothing / C, softcap, 1.0 / softcap, float(lse_square_scale))
+    scalars = (1.0 - smoothing, smoothing / C, softcap, 1.0 / softcap, float(lse_square_scale))
     block = next_power_of_2(C)
     with on_device(logits):
         if block <= _tuning.CE_TILE_MAX:
             rows = max(1, min(_tuning.CE_TILE_ELEMENTS // block, next_power_of_2(M)))
-            launch(_probabilities_tile_kernel, (triton.cdiv(M, rows),), *args, M, C, *options, ROWS=rows,
+            launch(_probabilities_tile_kernel, (triton.cdiv(M, rows),), *args, M, C, *scalars, ROWS=rows,
                    BLOCK=block, num_warps=warps_for(rows * block), **flags, **LAUNCH)
         else:
             loop_block, warps = _tuning.CE_PROBABILITIES_LOOP_CONFIGS[logits.element_size()]
-            launch(_probabilities_loop_kernel, (M,), *args, C, *options, BLOCK=loop_block, num_warps=warps,
+            launch(_probabilities_loop_kernel, (M,), *args, C, *scalars, BLOCK=loop_block, num_warps=warps,
                    **flags, **LAUNCH)

@@ -227,7 +227,7 @@ def _measure_case(group, backend: str, shape: tuple, dtype_name: str, device, ti
     import torch
     import torch.distributed as dist
 
-    from .._vocab_parallel import _all_gather
+    from ..vocab_parallel import all_gather_into
 
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     rows, classes = shape
@@ -266,7 +266,7 @@ def _measure_case(group, backend: str, shape: tuple, dtype_name: str, device, ti
         local = torch.zeros((4, rows), dtype=torch.float32, device=device)
         gathered = torch.empty((4 * ranks, rows), dtype=torch.float32, device=device)
         return (timer(state["unsplit"], group), timer(state["split"], group),
-                timer(lambda: _all_gather(gathered, local, group), group))
+                timer(lambda: all_gather_into(gathered, local, group), group))
 
     record.note, _ = _together(group, make)
     if not record.note:

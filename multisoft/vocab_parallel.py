@@ -33,19 +33,22 @@ import torch
 import torch.distributed as dist
 
 from . import _validate
-from ._cross_entropy import (_DOUBLE_BACKWARD, _INPLACE_LSE, _SECOND_BACKWARD, _backward_scale, _denominator,
-                             _empty_rows, _folds_mean, _gradient_coefficients, _scale, _stats_dtype, _target_terms,
-                             _TargetTerms, as_rows, check_classes, check_targets_in_bounds, check_weight,
-                             validate_arguments)
+from ._loss_rules import (LossOptions, TargetTerms, as_rows, backward_scale, check_classes, check_logits_and_target,
+                          check_targets_in_bounds, check_weight, denominator, double_backward_error, empty_rows,
+                          folds_mean, gradient_coefficients, inplace_lse_error, reduce_rows, scale_by_incoming,
+                          second_backward_error, softcap_derivative_, stats_dtype, target_terms)
 from ._registry import get_backend, resolve_name
+
+__all__ = ["VocabSlice", "LinearChunks", "cross_entropy"]
 
 _STATS_PER_ROW = 4   # m_r, S_r, a_r, u_t (or 0): what one rank sends of a row
 _CACHED_SLICES_LIMIT = 64
 
 
-class _Slice(NamedTuple):
-    """This rank's columns among the group's classes: [start, start + width) of ``total``; ``widest`` is the
-    largest rank's width."""
+class VocabSlice(NamedTuple):
+    """This rank's slice of the classes of a vocabulary-parallel call: its columns are
+    [``start``, ``start + width``) of the ``total`` classes that the ``ranks`` ranks of ``group`` hold between them,
+    in group-rank order; ``widest`` is the largest rank's width. ``VocabSlice.of`` learns it, once per call."""
     group: object
     ranks: int
     start: int
@@ -53,13 +56,12 @@ class _Slice(NamedTuple):
     total: int
     widest: int
 
-
-class _Options(NamedTuple):
-    ignore_index: int
-    reduction: str
-    label_smoothing: float
-    softcap: float
-    lse_square_scale: float
+    @classmethod
+    def of(cls, process_group, width: int, device: torch.device) -> "VocabSlice":
+        """This rank's slice for a call with ``width`` local classes on ``device``: checks ``process_group``, then
+        one small all-gather (``_slice_of``), every call, on every rank alike."""
+        _check_group(process_group)
+        return _slice_of(process_group, width, device)
 
 
 # Per process group, weakly (a cache must not keep a group, nor its communication threads, alive after
@@ -74,14 +76,14 @@ class _CachedWidths(NamedTuple):
     sent: dict
 
 
-def _all_gather(output: torch.Tensor, local: torch.Tensor, group) -> None:
+def all_gather_into(output: torch.Tensor, local: torch.Tensor, group) -> None:
     """Every rank's ``local`` stacked into ``output`` in group-rank order (torch >= 2.13 names it
     all_gather_single, older releases all_gather_into_tensor)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, local, group=group)
 
 
-def _slice_of(group, width: int, device: torch.device) -> _Slice:
+def _slice_of(group, width: int, device: torch.device) -> VocabSlice:
     """This rank's slice of the classes. Every call, every rank sends its width and the widths it has cached for
     that width (or none) in one all-gather of P + 1 integers. A rank that had none reads the gathered widths on
     the host (its one host synchronisation for the pair) and caches them. Then every rank checks the same rule
@@ -100,7 +102,7 @@ def _slice_of(group, width: int, device: torch.device) -> _Slice:
         if entry is not None:
             entry.sent[device] = sent
     gathered = torch.empty((ranks, ranks + 1), dtype=torch.int64, device=device)
-    _all_gather(gathered.view(-1), sent, group)
+    all_gather_into(gathered.view(-1), sent, group)
     if cached is None or device.type == "cpu":
         sent_by_rank = gathered.tolist()
         widths = tuple(row[0] for row in sent_by_rank)
@@ -117,7 +119,7 @@ def _slice_of(group, width: int, device: torch.device) -> _Slice:
         widths_now, cached_by_rank = gathered[:, 0], gathered[:, 1:]
         agree = (cached_by_rank == widths_now).all(1) | (cached_by_rank[:, 0] == _NOT_CACHED)
         torch._assert_async(agree.all(), "multisoft: " + _changed_slicing(None, None))
-    return _Slice(group, ranks, sum(cached[:rank]), width, sum(cached), max(cached))
+    return VocabSlice(group, ranks, sum(cached[:rank]), width, sum(cached), max(cached))
 
 
 def _changed_slicing(widths, stale) -> str:
@@ -177,33 +179,33 @@ def _from_dtensor(logits, target, weight, process_group):
     return logits.to_local(), _replicated_local(target, "target"), _replicated_local(weight, "weight"), group
 
 
-def _local_target(target, layout: _Slice, ignore_index: int):
+def _local_target(target, vocab_slice: VocabSlice, ignore_index: int):
     """(owned, local): whether this rank holds the row's target class (and the row is not ignored), and that
     class's column here (-1 where it does not)."""
-    local_target = target - layout.start
-    owned = (local_target >= 0) & (local_target < layout.width) & (target != ignore_index)
+    local_target = target - vocab_slice.start
+    owned = (local_target >= 0) & (local_target < vocab_slice.width) & (target != ignore_index)
     return owned, torch.where(owned, local_target, -1)
 
 
-def _local_weight(weight, layout: _Slice):
-    return weight[layout.start:layout.start + layout.width] if weight is not None else None
+def _local_weight(weight, vocab_slice: VocabSlice):
+    return weight[vocab_slice.start:vocab_slice.start + vocab_slice.width] if weight is not None else None
 
 
-def _row_statistics(rows_2d, target, local_weight, layout: _Slice, options: _Options, backend):
+def _row_statistics(rows_2d, target, local_weight, vocab_slice: VocabSlice, options: LossOptions, backend):
     """Pass 1 and the all-gather: (P, 4, M) of every rank's m_r, S_r, a_r and u_t (or 0), and the local
     targets (-1 where this rank does not own the row's target class, or the row is ignored). ``local_weight``
     is this rank's slice of the class weights."""
-    rows, dtype, device = rows_2d.shape[0], _stats_dtype(rows_2d.dtype), rows_2d.device
+    rows, dtype, device = rows_2d.shape[0], stats_dtype(rows_2d.dtype), rows_2d.device
     # this rank's part of the gather, then scratch for the loss, lse and row weights the forward also writes
     local = torch.empty((_STATS_PER_ROW + 3, rows), dtype=dtype, device=device)
-    owned, local_target = _local_target(target, layout, options.ignore_index)
-    if layout.width:
+    owned, local_target = _local_target(target, vocab_slice, options.ignore_index)
+    if vocab_slice.width:
         every_row_ignored = torch.full((rows,), options.ignore_index, dtype=torch.int64, device=device)
         scratch_loss, scratch_lse, scratch_row_weight = local[_STATS_PER_ROW:]
         get_backend(backend).kernels("cross_entropy").forward(
             rows_2d, every_row_ignored, local_weight, scratch_loss, scratch_lse, scratch_row_weight, None, None,
-            options.ignore_index, options.label_smoothing, options.softcap, 0.0, row_stats=local[:3])
-        picked = rows_2d.detach().gather(1, local_target.clamp(0, layout.width - 1).long().unsqueeze(1))
+            options._replace(lse_square_scale=0.0), row_stats=local[:3])
+        picked = rows_2d.detach().gather(1, local_target.clamp(0, vocab_slice.width - 1).long().unsqueeze(1))
         picked = picked.squeeze(1).to(dtype)
         if options.softcap:
             picked = torch.tanh(picked / options.softcap) * options.softcap
@@ -211,9 +213,9 @@ def _row_statistics(rows_2d, target, local_weight, layout: _Slice, options: _Opt
     else:
         local[0].fill_(float("-inf"))  # no classes here: m_r = -inf adds nothing to the combine
         local[1:_STATS_PER_ROW].zero_()
-    gathered = torch.empty((layout.ranks * _STATS_PER_ROW, rows), dtype=dtype, device=device)
-    _all_gather(gathered, local[:_STATS_PER_ROW], layout.group)
-    return gathered.view(layout.ranks, _STATS_PER_ROW, rows), local_target
+    gathered = torch.empty((vocab_slice.ranks * _STATS_PER_ROW, rows), dtype=dtype, device=device)
+    all_gather_into(gathered, local[:_STATS_PER_ROW], vocab_slice.group)
+    return gathered.view(vocab_slice.ranks, _STATS_PER_ROW, rows), local_target
 
 
 def _lse(row_max, log_sum):
@@ -221,7 +223,7 @@ def _lse(row_max, log_sum):
     return torch.where(row_max.abs() == float("inf"), row_max, row_max + log_sum)
 
 
-def _combine(stats, terms: _TargetTerms, layout: _Slice, options: _Options):
+def _combine(stats, terms: TargetTerms, vocab_slice: VocabSlice, options: LossOptions):
     """Every rank's (P, 4, M) row statistics combined alike on every rank into the whole rows' (per-row loss,
     lse, (2, M) max and sum of exponentials)."""
     rank_max, rank_sum, rank_smooth, rank_target_logit = stats.unbind(1)
@@ -231,7 +233,7 @@ def _combine(stats, terms: _TargetTerms, layout: _Slice, options: _Options):
     log_sum = row_sum.log()
     lse = _lse(row_max, log_sum)
     target_logit = rank_target_logit.sum(0)
-    eps, classes = options.label_smoothing, layout.total
+    eps, classes = options.label_smoothing, vocab_slice.total
     # lse - u_t and W lse - a with m kept apart from log S, as the unsplit forward keeps them
     per_row = terms.keep * ((row_max - target_logit) + log_sum)
     if eps:
@@ -243,62 +245,59 @@ def _combine(stats, terms: _TargetTerms, layout: _Slice, options: _Options):
     return loss_rows, lse, torch.stack((row_max, row_sum))
 
 
-def _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout: _Slice,
-              options: _Options, backend):
+def _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, vocab_slice: VocabSlice,
+              options: LossOptions, backend):
     """Pass 2: this rank's slice of the gradient into ``grad_logits`` (``rows_2d`` itself allowed). The class
     weights enter it only through label smoothing's term: without smoothing they are not passed (a row then takes
     no weight but its target's, as torch's, even where another class's weight is infinite)."""
-    if layout.width:
+    if vocab_slice.width:
         get_backend(backend).kernels("cross_entropy").gradient(
             rows_2d, local_target, local_weight if options.label_smoothing else None, row_max_sum, coefficients,
-            grad_logits, options.softcap)
+            grad_logits, options)
 
 
-def _forward(rows_2d, target, weight, layout: _Slice, options: _Options, backend, want_grad, grad_logits=None):
+def _forward(rows_2d, target, weight, vocab_slice: VocabSlice, options: LossOptions, backend, want_grad,
+             grad_logits=None):
     """(loss reduced, lse, the whole rows' (2, M) max and sum, grad_logits or None, what the backward must multiply
     the incoming gradient by or None): pass 1, the gather, the combine, and with ``want_grad`` pass 2 into
-    ``grad_logits`` (a new buffer when None), a mean's 1 / denominator folded in unless ``_folds_mean`` says
+    ``grad_logits`` (a new buffer when None), a mean's 1 / denominator folded in unless ``folds_mean`` says
     not (float16)."""
-    check_targets_in_bounds(target, layout.total, options.ignore_index)  # every rank alike, before the gather
-    dtype = _stats_dtype(rows_2d.dtype)
-    local_weight = _local_weight(weight, layout)
-    stats, local_target = _row_statistics(rows_2d, target, local_weight, layout, options, backend)
-    terms = _target_terms(target, weight, layout.total, options.ignore_index, options.label_smoothing)
-    loss_rows, lse, row_max_sum = _combine(stats, terms, layout, options)
-    denominator = None
-    if options.reduction == "none":
-        loss = loss_rows
-    elif options.reduction == "sum":
-        loss = loss_rows.sum()
-    else:
-        denominator = _denominator(target, weight, options.ignore_index, layout.total, dtype)
-        loss = loss_rows.sum() / denominator
+    classes = vocab_slice.total
+    check_targets_in_bounds(target, classes, options.ignore_index)  # every rank alike, before the gather
+    dtype = stats_dtype(rows_2d.dtype)
+    local_weight = _local_weight(weight, vocab_slice)
+    stats, local_target = _row_statistics(rows_2d, target, local_weight, vocab_slice, options, backend)
+    terms = target_terms(target, weight, classes, options)
+    loss_rows, lse, row_max_sum = _combine(stats, terms, vocab_slice, options)
+    mean_denominator = None
+    if options.reduction == "mean":
+        mean_denominator = denominator(target, weight, options.ignore_index, classes, dtype)
+    loss = reduce_rows(loss_rows, options.reduction, mean_denominator)
     if not want_grad:
         return loss, lse, row_max_sum, None, None
     # the unsplit forward's grad_scale: a mean's 1 / denominator where folded in, else 1 (and for an unfolded
     # mean the backward's scale)
-    folded = denominator is not None and _folds_mean(rows_2d.dtype)
-    backward_scale = _backward_scale(denominator) if denominator is not None and not folded else None
-    grad_scale = denominator.reciprocal() if folded else torch.ones((), dtype=dtype, device=lse.device)
-    coefficients = _gradient_coefficients(terms, lse, grad_scale, layout.total, options.label_smoothing,
-                                          options.lse_square_scale)
+    folded = mean_denominator is not None and folds_mean(rows_2d.dtype)
+    unfolded = backward_scale(mean_denominator) if mean_denominator is not None and not folded else None
+    grad_scale = mean_denominator.reciprocal() if folded else torch.ones((), dtype=dtype, device=lse.device)
+    coefficients = gradient_coefficients(terms, lse, grad_scale, classes, options)
     if grad_logits is None:
         grad_logits = torch.empty_like(rows_2d)
-    _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, layout, options,
+    _gradient(rows_2d, local_target, local_weight, row_max_sum, coefficients, grad_logits, vocab_slice, options,
               backend)
-    return loss, lse, row_max_sum, grad_logits, backward_scale
+    return loss, lse, row_max_sum, grad_logits, unfolded
 
 
 def _lse_gradient(logits, grad_lse, row_max_sum, softcap):
     """d (sum_i grad_lse[i] * lse_i) / d logits for this rank's columns, in float32 (float64 for float64 logits)
     torch ops: grad_lse[i] * p * du/dx with p from the whole row's max and sum."""
-    u = logits.to(_stats_dtype(logits.dtype))
+    u = logits.to(stats_dtype(logits.dtype))
     if softcap:
         u = torch.tanh(u / softcap).mul_(softcap)
     row_max, row_sum = row_max_sum.unsqueeze(2)
     part = (u - row_max).exp_().mul_(grad_lse.reshape(-1, 1) / row_sum)
     if softcap:
-        part.mul_(u.div_(softcap).square_().neg_().add_(1.0))
+        part.mul_(softcap_derivative_(u, softcap))
     return part
 
 
@@ -313,33 +312,35 @@ class LinearChunks:
     whole rows' max and sum, no collective. ``grad_lse`` adds the returned lse's gradient. ``grad_scale`` and
     ``grad_lse`` are (M,) (a stride of 0 allowed), or None."""
 
-    def __init__(self, target, weight, layout: _Slice, options: _Options, backend, row_max_sum, *, loss_rows=None,
-                 lse=None, grad_scale=None, grad_lse=None):
-        self.target, self.weight, self.layout, self.options, self.backend = target, weight, layout, options, backend
-        self.local_weight = _local_weight(weight, layout)
+    def __init__(self, target, weight, vocab_slice: VocabSlice, options: LossOptions, backend, row_max_sum, *,
+                 loss_rows=None, lse=None, grad_scale=None, grad_lse=None):
+        self.target, self.weight, self.vocab_slice = target, weight, vocab_slice
+        self.options, self.backend = options, backend
+        self.local_weight = _local_weight(weight, vocab_slice)
         self.row_max_sum, self.loss_rows, self.lse = row_max_sum, loss_rows, lse
         self.grad_scale, self.grad_lse = grad_scale, grad_lse
 
     def __call__(self, logits, rows: slice) -> None:
-        target, layout, options = self.target[rows], self.layout, self.options
-        check_targets_in_bounds(target, layout.total, options.ignore_index)  # every rank alike, before the gather
-        terms = _target_terms(target, self.weight, layout.total, options.ignore_index, options.label_smoothing)
+        target, vocab_slice, options = self.target[rows], self.vocab_slice, self.options
+        classes = vocab_slice.total
+        check_targets_in_bounds(target, classes, options.ignore_index)  # every rank alike, before the gather
+        terms = target_terms(target, self.weight, classes, options)
         if self.loss_rows is not None:
-            stats, local_target = _row_statistics(logits, target, self.local_weight, layout, options, self.backend)
-            loss_rows, lse, row_max_sum = _combine(stats, terms, layout, options)
+            stats, local_target = _row_statistics(logits, target, self.local_weight, vocab_slice, options,
+                                                  self.backend)
+            loss_rows, lse, row_max_sum = _combine(stats, terms, vocab_slice, options)
             self.loss_rows[rows], self.lse[rows], self.row_max_sum[:, rows] = loss_rows, lse, row_max_sum
         else:
-            _, local_target = _local_target(target, layout, options.ignore_index)
+            _, local_target = _local_target(target, vocab_slice, options.ignore_index)
             row_max_sum = self.row_max_sum[:, rows].contiguous()
             lse = _lse(row_max_sum[0], row_max_sum[1].log())
         lse_part = None
         if self.grad_lse is not None:  # from the logits, before pass 2 overwrites them
             lse_part = _lse_gradient(logits, self.grad_lse[rows], row_max_sum, options.softcap)
         if self.grad_scale is not None:
-            coefficients = _gradient_coefficients(terms, lse, self.grad_scale[rows], layout.total,
-                                                  options.label_smoothing, options.lse_square_scale)
-            _gradient(logits, local_target, self.local_weight, row_max_sum, coefficients, logits, layout, options,
-                      self.backend)
+            coefficients = gradient_coefficients(terms, lse, self.grad_scale[rows], classes, options)
+            _gradient(logits, local_target, self.local_weight, row_max_sum, coefficients, logits, vocab_slice,
+                      options, self.backend)
             if lse_part is not None:
                 logits.add_(lse_part)
         elif lse_part is not None:
@@ -348,7 +349,7 @@ class LinearChunks:
     def input_gradient(self, grad_input):
         """``input`` is the same on every rank, so its gradient is the sum over the ranks of each one's
         ``grad_logits_r @ linear_weight_r``: one all-reduce, in place."""
-        dist.all_reduce(grad_input, group=self.layout.group)
+        dist.all_reduce(grad_input, group=self.vocab_slice.group)
         return grad_input
 
 
@@ -357,9 +358,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     the returned lse's part, from the whole rows' max and sum), communicating nothing."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, layout, options, backend, return_lse, inplace):
+    def forward(ctx, logits, target, weight, vocab_slice, options, backend, return_lse, inplace):
         loss, lse, row_max_sum, grad_logits, ctx.backward_scale = _forward(
-            logits, target, weight, layout, options, backend, True, grad_logits=logits if inplace else None)
+            logits, target, weight, vocab_slice, options, backend, True, grad_logits=logits if inplace else None)
         if inplace:
             # written through the backend, not autograd: any op that saved the logits' old values must raise
             torch.autograd.graph.increment_version(logits)
@@ -375,61 +376,52 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, grad_lse):
         if torch.is_grad_enabled():
-            raise RuntimeError(_DOUBLE_BACKWARD)
+            raise double_backward_error("cross_entropy")
         grad_logits, ctx.buffer = ctx.buffer, None
         if grad_logits is None:
-            raise RuntimeError(_SECOND_BACKWARD)
+            raise second_backward_error("cross_entropy")
         if grad is not None and ctx.backward_scale is not None:
             grad = grad * ctx.backward_scale
-        grad_logits = None if grad is None else _scale(grad_logits, grad, ctx.backend)
+        grad_logits = None if grad is None else scale_by_incoming(grad_logits, grad, ctx.backend)
         if grad_lse is not None:
             if ctx.inplace:
-                raise RuntimeError(_INPLACE_LSE)
+                raise inplace_lse_error("cross_entropy")
             logits, row_max_sum = ctx.saved_tensors
             part = _lse_gradient(logits, grad_lse, row_max_sum, ctx.softcap)
             grad_logits = part.to(logits.dtype) if grad_logits is None else grad_logits.add_(part)
         return grad_logits, None, None, None, None, None, None, None
 
 
-@torch.compiler.disable
-def cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, *, lse_square_scale, softcap,
-                  return_lse, backend, inplace_backward, process_group):
-    """``multisoft.cross_entropy`` with ``process_group`` given or a DTensor ``logits``: see its docstring."""
+def cross_entropy(logits, target, weight, options: LossOptions, return_lse, backend, inplace_backward,
+                  process_group):
+    """``multisoft.cross_entropy`` with ``process_group`` given or a DTensor ``logits``, its ``options`` validated:
+    see its docstring. Run eagerly (``_loss_rules.run_eagerly``): its collectives are not traced."""
     logits, target, weight, process_group = _from_dtensor(logits, target, weight, process_group)
     _check_group(process_group)
-    classes, label_smoothing, lse_square_scale, softcap, probabilities = validate_arguments(
-        logits, target, None, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_lse,
-        inplace_backward, sliced=True)
+    classes, probabilities = check_logits_and_target(logits, target)
+    _validate.same_device(logits, "input", target=target, weight=weight)
+    _validate.boolean(return_lse, "return_lse")
+    _validate.boolean(inplace_backward, "inplace_backward")
     if probabilities:
         raise ValueError("target must hold class indices (int64 or int32) with process_group: class-probability "
                          "targets are not supported for a slice of the classes")
     backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend), "cross_entropy")
-    layout = _slice_of(process_group, classes, logits.device)
-    check_classes(layout.total, logits, target)
-    check_weight(weight, layout.total, logits)  # all V classes, every rank's slice
-    stats_dtype = _stats_dtype(logits.dtype)
-    rows_2d, flat_target = as_rows(logits, target, ignore_index)
+    vocab_slice = _slice_of(process_group, classes, logits.device)
+    check_classes(vocab_slice.total, logits, target)
+    check_weight(weight, vocab_slice.total, logits)  # all V classes, every rank's slice
+    dtype = stats_dtype(logits.dtype)
+    rows_2d, flat_target = as_rows(logits, target, options.ignore_index)
     if weight is not None:
-        weight = weight.to(stats_dtype).contiguous()
-    options = _Options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)
+        weight = weight.to(dtype).contiguous()
     if flat_target.numel() == 0:
-        loss, lse = _empty_rows(rows_2d, reduction, stats_dtype)
+        loss, lse = empty_rows(rows_2d, options.reduction, dtype)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
-        loss, lse = _VocabParallelCrossEntropy.apply(rows_2d, flat_target, weight, layout, options, backend,
+        loss, lse = _VocabParallelCrossEntropy.apply(rows_2d, flat_target, weight, vocab_slice, options, backend,
                                                      return_lse, inplace_backward)
     else:
-        loss, lse, _, _, _ = _forward(rows_2d, flat_target, weight, layout, options, backend, False)
-    if reduction == "none" and logits.ndim != 2:
+        loss, lse, _, _, _ = _forward(rows_2d, flat_target, weight, vocab_slice, options, backend, False)
+    if options.reduction == "none" and logits.ndim != 2:
         loss = loss.reshape(target.shape)
     if not return_lse:
         return loss
     return loss, lse.reshape(target.shape) if logits.ndim != 2 else lse
-
-
-@torch.compiler.disable
-def linear_cross_entropy(implementation, *arguments):
-    """``multisoft.linear_cross_entropy`` with ``process_group`` (``implementation`` called with ``arguments``),
-    eager under torch.compile: its collectives and autograd.Function are not traced. Here rather than beside it,
-    so that ``torch.compiler.disable`` (which imports torch._dynamo, and with it Triton) runs only once a process
-    group is used, not when multisoft is imported."""
-    return implementation(*arguments)
