@@ -39,7 +39,7 @@ summed in float32 (it is only V values).
 
 With ``process_group`` (vocabulary-parallel) each rank holds a slice of the
 output layer's rows, so its chunk of logits is a slice of the classes: the
-backend's forward is replaced per chunk by ``_vocab_parallel.LinearChunks``
+backend's forward is replaced per chunk by ``vocab_parallel.LinearChunks``
 (pass 1, one all-gather of 4 floats a row, the combine, pass 2 in place), and
 the input's gradient, a sum over the ranks, is all-reduced once after the last
 chunk. Every rank runs as many chunks (the default chunk takes the widest

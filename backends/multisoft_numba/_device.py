@@ -287,16 +287,6 @@ def packed_max(fmt):
 
 
 @device_function
-def online_add(m, s, v):
-    """Add v to a running (max m, sum of expf(x - m)); -inf adds nothing, NaN poisons."""
-    if v > m or v != v:
-        return v, s * expf(m - v) + float32(1.0)
-    if v != NEG_INF:
-        return m, s + expf(v - m)
-    return m, s
-
-
-@device_function
 def online_add_all(m, s, vals):
     """Add every value of the local array `vals` (padding -inf) to (m, s): one rescale per call."""
     top = NEG_INF

@@ -92,8 +92,6 @@ FORWARD_ACROSS_UNTIL = {4: 512, 2: 512}
 FORWARD_ACROSS_WARPS = 1
 # Blocks of each row such a program holds, at most the mean row's; the rest streams twice (docs/tuning.md).
 FORWARD_ACROSS_BLOCKS = {4: 4, 2: 2}
-# Whether the row kernels' backward holds 16-bit rows as loaded, widening them twice, not as floats (docs/tuning.md).
-ROW_RAW = True
 # Blocks of a row side by side in a warp's lanes in the row kernels (INNER), by direction; None: as many as fill
 # its 32 lanes, a warp a row (docs/tuning.md).
 ROW_INNER = {"forward": {4: None, 2: 2}, "backward": {4: 2, 2: 2}}

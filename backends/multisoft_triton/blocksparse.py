@@ -407,7 +407,7 @@ def backward(y, dy, dx, lut, scale):
     """dx = scale * y * (dy - sum_row(y * dy)): the row kernel, or the tile and loop kernels for layouts whose mean
     row is TILES_FROM or more."""
     if lut.mean_blocks * lut.block < _tuning.TILES_FROM[y.element_size()]:
-        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale, 0, rows=_tuning.ROW_WARPS,
-                     RAW=_tuning.ROW_RAW and y.element_size() == 2)
+        # 16-bit rows are held as loaded and widened twice (docs/tuning.md)
+        _launch_rows(_bwd_rows_kernel, lut, (y, dy, dx), scale, 0, rows=_tuning.ROW_WARPS, RAW=y.element_size() == 2)
         return
     _launch_tiles((_bwd_tile_kernel, _bwd_loop_kernel), lut, (y, dy, dx), scale)
