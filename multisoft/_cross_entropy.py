@@ -29,12 +29,12 @@ import torch
 
 from . import _validate
 from ._forward_ad import refuse_tangents, refuse_transforms
-from ._loss_rules import (LossOptions, add_lse_gradient, as_rows, backward_scale, broadcast_value, check_classes,
+from ._loss_rules import (LossOptions, add_lse_gradient, backward_scale, broadcast_value, check_classes,
                           check_logits_and_target, check_targets_in_bounds, check_weight, denominator,
                           double_backward_error, empty_rows, folds_mean, gradient_coefficients, inplace_lse_error,
-                          is_dtensor, legacy_reduction, loss_options, reduce_rows, refuse_inplace_on_a_leaf,
-                          run_eagerly, scale_by_incoming, second_backward_error, stats_dtype,
-                          target_terms)
+                          is_dtensor, kernel_inputs, legacy_reduction, loss_options, reduce_rows,
+                          refuse_inplace_on_a_leaf, run_eagerly, scale_by_incoming, second_backward_error,
+                          shaped_result, stats_dtype, target_terms)
 from ._registry import get_backend, resolve_name
 
 
@@ -365,10 +365,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
             loss, lse = _probability_targets(logits, target, weight, options, backend)
             return (loss, lse) if return_lse else loss
         logits, target = _probability_dtypes(logits, target)
-    dtype = stats_dtype(logits.dtype)
-    rows_2d, flat_target = as_rows(logits, target, options.ignore_index)
-    if weight is not None:
-        weight = weight.to(dtype).contiguous()
+    rows_2d, flat_target, weight, dtype = kernel_inputs(logits, target, weight, options.ignore_index)
     if rows_2d.numel() == 0:
         loss, lse = empty_rows(rows_2d, options.reduction, dtype)
     elif torch.compiler.is_compiling() and not probabilities:
@@ -386,12 +383,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         loss, lse = result if return_lse else (result, None)
     else:
         loss, lse, _, _ = _kernel_forward(rows_2d, flat_target, weight, options, backend, False)
-    row_shape = logits.shape[:1] + logits.shape[2:] if logits.ndim >= 2 else torch.Size()  # index targets' shape
-    if options.reduction == "none" and logits.ndim != 2:
-        loss = loss.reshape(row_shape)
-    if not return_lse:
-        return loss
-    return loss, lse.reshape(row_shape) if logits.ndim != 2 else lse
+    return shaped_result(loss, lse, logits, options.reduction, return_lse)
 
 
 def _probability_dtypes(logits, target):

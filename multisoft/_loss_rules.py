@@ -165,6 +165,28 @@ def as_rows(logits, target, ignore_index):
     return class_last(logits), index_targets(target, ignore_index)
 
 
+def kernel_inputs(logits, target, weight, ignore_index):
+    """(logits as contiguous (rows, C), the targets as ``as_rows`` gives them, ``weight`` as the kernels take it
+    (the statistics' dtype, contiguous) or None, the statistics' dtype)."""
+    dtype = stats_dtype(logits.dtype)
+    rows_2d, flat_target = as_rows(logits, target, ignore_index)
+    if weight is not None:
+        weight = weight.to(dtype).contiguous()
+    return rows_2d, flat_target, weight, dtype
+
+
+def shaped_result(loss, lse, logits, reduction: str, return_lse: bool):
+    """The loss (per row of the target's shape for ``"none"``), and with ``return_lse`` the lse of that shape too,
+    from the kernels' (rows,) of logits (C,), (N, C) or (N, C, d1, ...)."""
+    if logits.ndim != 2:
+        row_shape = logits.shape[:1] + logits.shape[2:] if logits.ndim > 2 else torch.Size()
+        if reduction == "none":
+            loss = loss.reshape(row_shape)
+        if return_lse:
+            lse = lse.reshape(row_shape)
+    return (loss, lse) if return_lse else loss
+
+
 def is_dtensor(tensor) -> bool:
     """Whether ``tensor`` is a DTensor (or of a subclass), from its classes' names: without importing
     torch.distributed.tensor, and without reading ``sys.modules``, which torch.compile would trace as a dict that

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from . import _validate
-from ._loss_rules import (LossOptions, TargetTerms, as_rows, backward_scale, check_classes, check_logits_and_target,
+from ._loss_rules import (LossOptions, TargetTerms, backward_scale, check_classes, check_logits_and_target,
                           check_targets_in_bounds, check_weight, denominator, double_backward_error, empty_rows,
-                          folds_mean, gradient_coefficients, inplace_lse_error, reduce_rows, scale_by_incoming,
-                          second_backward_error, softcap_derivative_, stats_dtype, target_terms)
+                          folds_mean, gradient_coefficients, inplace_lse_error, kernel_inputs, reduce_rows,
+                          scale_by_incoming, second_backward_error, shaped_result, softcap_derivative_, stats_dtype,
+                          target_terms)
 from ._registry import get_backend, resolve_name
 
 __all__ = ["VocabSlice", "LinearChunks", "cross_entropy"]
@@ -409,10 +410,7 @@ def cross_entropy(logits, target, weight, options: LossOptions, return_lse, back
     vocab_slice = _slice_of(process_group, classes, logits.device)
     check_classes(vocab_slice.total, logits, target)
     check_weight(weight, vocab_slice.total, logits)  # all V classes, every rank's slice
-    dtype = stats_dtype(logits.dtype)
-    rows_2d, flat_target = as_rows(logits, target, options.ignore_index)
-    if weight is not None:
-        weight = weight.to(dtype).contiguous()
+    rows_2d, flat_target, weight, dtype = kernel_inputs(logits, target, weight, options.ignore_index)
     if flat_target.numel() == 0:
         loss, lse = empty_rows(rows_2d, options.reduction, dtype)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
@@ -420,8 +418,4 @@ def cross_entropy(logits, target, weight, options: LossOptions, return_lse, back
                                                      return_lse, inplace_backward)
     else:
         loss, lse, _, _, _ = _forward(rows_2d, flat_target, weight, vocab_slice, options, backend, False)
-    if options.reduction == "none" and logits.ndim != 2:
-        loss = loss.reshape(target.shape)
-    if not return_lse:
-        return loss
-    return loss, lse.reshape(target.shape) if logits.ndim != 2 else lse
+    return shaped_result(loss, lse, logits, options.reduction, return_lse)

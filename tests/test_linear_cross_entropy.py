@@ -222,7 +222,7 @@ def test_second_and_double_backward_raise():
     x, linear_weight, _, target, _ = _inputs((6,))
     loss = multisoft.linear_cross_entropy(x, linear_weight, target, backend="torch")
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="multisoft.linear_cross_entropy computes its gradients in the forward"):
+    with pytest.raises(RuntimeError, match="multisoft.linear_cross_entropy computes its gradient in the forward"):
         loss.backward()
     loss = multisoft.linear_cross_entropy(x, linear_weight, target, backend="torch")
     with pytest.raises(RuntimeError, match="multisoft.linear_cross_entropy does not support double backward"):
