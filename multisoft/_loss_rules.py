@@ -34,7 +34,9 @@ class LossOptions(NamedTuple):
     ``"none"``, ``"mean"`` or ``"sum"`` (the kernels write per-row losses; the front reduces them).
     ``label_smoothing`` in [0, 1]. ``softcap``: the logits are replaced by ``softcap * tanh(logits / softcap)``
     first; 0.0 means no cap (the public functions' ``None``). ``lse_square_scale`` (>= 0): the z-loss,
-    ``lse_square_scale * lse**2`` added to every row's loss that is not ignored.
+    ``lse_square_scale * lse**2`` added to every row's loss that is not ignored. ``temperature`` (finite, > 0):
+    the (capped) logits are divided by it (softcap first, then temperature, as a model and then its sampler apply
+    them); only ``multisoft.log_probs`` and ``multisoft.linear_log_probs`` take it so far.
 
     A new option is a new field with a default that changes nothing, its check in ``loss_options``, the kernels
     that use it, and its tests (CONTRIBUTING.md, "Adding a loss option")."""
@@ -43,6 +45,7 @@ class LossOptions(NamedTuple):
     label_smoothing: float = 0.0
     softcap: float = 0.0
     lse_square_scale: float = 0.0
+    temperature: float = 1.0
 
 
 def loss_options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale) -> LossOptions:

@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-OPS = ("softmax", "cross_entropy", "blocksparse")  # the kernel modules of the contract, one per op
+OPS = ("softmax", "cross_entropy", "blocksparse", "log_probs")  # the kernel modules of the contract, one per op
 ENV_VAR = "MULTISOFT_BACKEND"
 ENTRY_POINT_GROUP = "multisoft.backends"
 PACKAGE_PREFIX = "multisoft_"

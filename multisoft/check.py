@@ -122,6 +122,31 @@ def reference_cross_entropy(logits, target, *, weight=None, ignore_index=-100, r
     return (loss, lse) if return_lse else loss
 
 
+def reference_log_probs(logits, target, *, temperature=1.0, softcap=None, ignore_index=-100, return_entropy=False):
+    """multisoft.log_probs in float64: ``log_softmax(u)`` gathered at ``target`` with ``u`` the logits capped
+    (``softcap * tanh(logits / softcap)``), then divided by ``temperature``; the class dimension last. ``target`` of
+    the logits' shape without it (one id a row) or with a trailing K (K ids a row); 0 where an id is
+    ``ignore_index``. With ``return_entropy`` also each row's entropy ``-sum_j p_j log p_j`` of the same
+    distribution, a -inf logit adding 0 (0 log 0 = 0) and no NaN to its gradient. Differentiable."""
+    x = logits.double()
+    capped = softcap * torch.tanh(x / softcap) if softcap else x
+    u = capped / temperature
+    log_p = torch.log_softmax(u, -1)
+    ids = target.long()
+    one_id = ids.ndim == x.ndim - 1
+    if one_id:
+        ids = ids.unsqueeze(-1)
+    ignored = ids == ignore_index
+    picked = torch.where(ignored, 0.0, log_p.gather(-1, torch.where(ignored, 0, ids)))
+    if one_id:
+        picked = picked.squeeze(-1)
+    if not return_entropy:
+        return picked
+    finite_u = torch.where(u == float("-inf"), 0.0, u)  # p is 0 there: the term is 0, and so is its gradient
+    entropy = torch.logsumexp(u, -1) - (log_p.exp() * finite_u).sum(-1)
+    return picked, entropy
+
+
 def reference_linear_cross_entropy(input, linear_weight, target, linear_bias=None, **options):
     """multisoft.linear_cross_entropy in float64: ``reference_cross_entropy`` of ``F.linear`` of float64 copies of
     ``input``, ``linear_weight`` and ``linear_bias`` (returned as the first item, leaves that require grad, so that

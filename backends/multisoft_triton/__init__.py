@@ -12,6 +12,7 @@ import torch
 
 NAME = "triton"
 PRIORITY = 300
+OPS = ("softmax", "cross_entropy", "blocksparse")  # log_probs: not yet
 INSTALL = "pip install 'multisoft[triton]'"
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
