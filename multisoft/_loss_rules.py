@@ -48,7 +48,7 @@ class LossOptions(NamedTuple):
     temperature: float = 1.0
 
 
-def loss_options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale) -> LossOptions:
+def loss_options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature=1.0) -> LossOptions:
     """The public functions' loss options, checked (each error names its argument), as a ``LossOptions``:
     ``softcap`` None becomes 0.0, the numbers floats. Under ``torch.compile`` they may be symbolic
     (``_validate``'s module docstring)."""
@@ -67,7 +67,10 @@ def loss_options(ignore_index, reduction, label_smoothing, softcap, lse_square_s
         softcap = _validate.real(softcap, "softcap")
         if not 0.0 < softcap < _validate.INF:  # not math.isfinite: dynamo cannot call it on a symbolic float
             raise ValueError(f"softcap must be a finite number > 0, or None for no cap; got {float(softcap)}")
-    return LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)
+    temperature = _validate.real(temperature, "temperature")
+    if not 0.0 < temperature < _validate.INF:
+        raise ValueError(f"temperature must be a finite number > 0, got {float(temperature)}")
+    return LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature)
 
 
 def legacy_reduction(size_average, reduce) -> str:

@@ -147,6 +147,36 @@ def reference_log_probs(logits, target, *, temperature=1.0, softcap=None, ignore
     return picked, entropy
 
 
+def reference_log_probs_gradient(logits, target, grad_log_probs=None, grad_entropy=None, **options):
+    """(float64 d(sum g * log_probs + sum c * entropy)/d logits by autograd of ``reference_log_probs`` with
+    ``options``, either incoming gradient None for none; the size of the terms it sums, the magnitude
+    ``error_ratio`` takes: du/dx * (|g| at the ids + p * (sum |g| + |c| * (|log p| + entropy))))."""
+    x = logits.detach().double().requires_grad_()
+    picked, entropy = reference_log_probs(x, target, return_entropy=True, **options)
+    total = x.new_zeros(())
+    if grad_log_probs is not None:
+        total = total + (picked * grad_log_probs.double()).sum()
+    if grad_entropy is not None:
+        total = total + (entropy * grad_entropy.double()).sum()
+    (grad,) = torch.autograd.grad(total, x)
+    softcap, temperature = options.get("softcap"), options.get("temperature", 1.0)
+    capped = softcap * torch.tanh(x.detach() / softcap) if softcap else x.detach()
+    derivative = (1 - (capped / softcap) ** 2 if softcap else torch.ones_like(capped)) / temperature
+    log_p = torch.log_softmax(capped / temperature, -1)
+    p = log_p.exp()
+    size = torch.zeros_like(p)
+    if grad_log_probs is not None:
+        g = grad_log_probs.double().abs().reshape(*p.shape[:-1], -1)
+        ids = target.long().reshape(g.shape)
+        inside = (ids >= 0) & (ids < p.shape[-1])
+        size = size + p * g.sum(-1, keepdim=True)
+        size = size.scatter_add(-1, torch.where(inside, ids, 0), torch.where(inside, g, 0.0))
+    if grad_entropy is not None:
+        finite_log_p = torch.where(p > 0, log_p, 0.0).abs()
+        size = size + p * grad_entropy.double().abs().unsqueeze(-1) * (finite_log_p + entropy.detach().unsqueeze(-1))
+    return grad, derivative.abs() * size
+
+
 def reference_linear_cross_entropy(input, linear_weight, target, linear_bias=None, **options):
     """multisoft.linear_cross_entropy in float64: ``reference_cross_entropy`` of ``F.linear`` of float64 copies of
     ``input``, ``linear_weight`` and ``linear_bias`` (returned as the first item, leaves that require grad, so that
@@ -230,6 +260,7 @@ def _cases(device: torch.device, small: bool):
     bs_cases = [(16, 2, 4)] if small else [(32, 4, 16), (128, 2, 8)]
     # (rows, hidden, classes, chunk_size): chunks that do not divide the rows
     lce_shapes = [(8, 16, 100, 3)] if small else [(1000, 256, 32_000, 384)]
+    lp_shapes = [(6, 300, 2)] if small else [(64, 32_000, 1), (8, 151_936, 3)]
 
     def softmax_case(shape, log):
         def run(backend, dtype):
@@ -291,6 +322,28 @@ def _cases(device: torch.device, small: bool):
             return results
         return run
 
+    def lp_case(rows, classes, ids_a_row):
+        def run(backend, dtype):
+            gen = torch.Generator(device="cpu").manual_seed(5)
+            logits = (torch.randn(rows, classes, generator=gen) * 3).to(device, dtype).requires_grad_()
+            target = torch.randint(0, classes, (rows, ids_a_row), generator=gen)
+            target[::5, 0] = -100
+            target = target.to(device)
+            grad_ids = torch.randn(rows, ids_a_row, generator=gen).to(device)
+            grad_entropy = torch.randn(rows, generator=gen).to(device)
+            kwargs = dict(temperature=0.7, softcap=20.0)
+            picked, entropy = multisoft.log_probs(logits, target, return_entropy=True, backend=backend, **kwargs)
+            (grad,) = torch.autograd.grad((picked, entropy), logits, (grad_ids, grad_entropy))
+            expected_picked, expected_entropy = reference_log_probs(logits.detach(), target, return_entropy=True,
+                                                                    **kwargs)
+            expected_grad, magnitude = reference_log_probs_gradient(logits, target, grad_ids, grad_entropy, **kwargs)
+            # each a difference of terms of the size of the lse (u_t - lse, lse - sum p u)
+            size = torch.logsumexp(logits.detach().double() / 0.7, -1).abs().unsqueeze(-1) + 1.0
+            return {"forward": (picked, expected_picked, expected_picked.abs() + size),
+                    "entropy": (entropy, expected_entropy, expected_entropy.abs() + size.squeeze(-1)),
+                    "backward": (grad, expected_grad, magnitude)}
+        return run
+
     def bs_case(block, heads, block_rows):
         def run(backend, dtype):
             gen = torch.Generator(device="cpu").manual_seed(3)
@@ -312,13 +365,15 @@ def _cases(device: torch.device, small: bool):
     for rows, hidden, classes, chunk_size in lce_shapes:
         yield ("linear_cross_entropy", f"M{rows} H{hidden} V{classes} chunk {chunk_size}",
                lce_case(rows, hidden, classes, chunk_size))
+    for rows, classes, ids_a_row in lp_shapes:
+        yield "log_probs", f"{rows}x{classes} {ids_a_row} ids", lp_case(rows, classes, ids_a_row)
     for block, heads, block_rows in bs_cases:
         yield "blocksparse", f"b{block} h{heads} {block_rows}x{block_rows} causal", bs_case(block, heads, block_rows)
 
 
 # The registry's op (the backend's kernel module) of each op that the check runs.
 REGISTRY_OP = {"softmax": "softmax", "log_softmax": "softmax", "cross_entropy": "cross_entropy",
-               "linear_cross_entropy": "cross_entropy", "blocksparse": "blocksparse"}
+               "linear_cross_entropy": "cross_entropy", "blocksparse": "blocksparse", "log_probs": "log_probs"}
 
 
 def run_check(device: torch.device, backends: list[str], small: bool) -> list[Row]:

@@ -16,7 +16,7 @@ import torch
 from harness import DEVICE, assert_close, on_backends_implementing, simulated
 from multisoft import LossOptions
 from multisoft._registry import get_backend
-from multisoft.check import DTYPES, reference_log_probs
+from multisoft.check import DTYPES, reference_log_probs, reference_log_probs_gradient
 
 each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 NAN, INF = float("nan"), float("inf")
@@ -120,23 +120,6 @@ def test_forward_statistics(backend, dtype):
         assert_close(entropy, expected_entropy, dtype, f"entropy, {label}", magnitude)
 
 
-def _expected_gradient(logits, ids, grad_ids, grad_entropy, options):
-    """float64 d(sum g * log_probs + sum c * entropy)/dx by autograd of ``reference_log_probs`` (ids of -1 ignored),
-    and the size of its terms."""
-    x = logits.detach().double().requires_grad_()
-    picked, entropy = reference_log_probs(x, ids, softcap=options.softcap or None, temperature=options.temperature,
-                                          ignore_index=-1, return_entropy=True)
-    (grad,) = torch.autograd.grad((picked * grad_ids.double()).sum() + (entropy * grad_entropy.double()).sum(), x)
-    u = (options.softcap * torch.tanh(x.detach() / options.softcap) if options.softcap else x.detach())
-    u = u / options.temperature
-    p = torch.softmax(u, -1)
-    log_p = torch.where(p > 0, torch.log_softmax(u, -1), 0.0)
-    size = p * (grad_ids.double().abs().sum(-1, keepdim=True) + grad_entropy.double().abs().unsqueeze(-1)
-                * (log_p.abs() + (p * log_p).sum(-1, keepdim=True).abs()))
-    size = size + torch.zeros_like(u).scatter_add_(-1, ids.clamp(min=0), grad_ids.double().abs() * (ids >= 0))
-    return grad, size / options.temperature
-
-
 @on_backends_implementing("log_probs")
 @each_dtype
 @pytest.mark.parametrize("ids_a_row", [1, 3])
@@ -176,7 +159,8 @@ def test_backward_gradient(backend, dtype, ids_a_row, in_place):
         _assert_guards(id_buffer, ID_SENTINEL, "target")
         if not in_place:
             assert torch.equal(input_buffer.nan_to_num(), before.nan_to_num()), "the backward wrote into the logits"
-        expected, size = _expected_gradient(logits, ids, grad_ids, grad_entropy, options)
+        expected, size = reference_log_probs_gradient(logits, ids, grad_ids, grad_entropy, ignore_index=-1,
+                                                      softcap=softcap or None, temperature=temperature)
         label = f"{classes} classes softcap={softcap} temperature={temperature} K={ids_a_row} in_place={in_place}"
         assert not grad.isnan().any(), f"NaN in the gradient, {label}"
         if classes > 2:

@@ -16,7 +16,7 @@ from multisoft.check import reference_cross_entropy, reference_softmax
 
 CPU = torch.device("cpu")
 FAKE = "softmaxonly"
-EVERY_OP = ("softmax", "cross_entropy", "blocksparse")  # written out: not read from the code under test
+EVERY_OP = ("softmax", "cross_entropy", "blocksparse", "log_probs")  # written out: not read from the code under test
 
 
 @pytest.fixture
@@ -148,18 +148,18 @@ def test_info_prints_the_ops(softmax_only, capsys):
     fake = next(i for i, line in enumerate(lines) if line.split()[:1] == [FAKE])
     assert lines[fake + 1].split() == ["ops:", "softmax"]
     torch_line = next(i for i, line in enumerate(lines) if line.split()[:1] == ["torch"])
-    assert "ops: softmax, cross_entropy, blocksparse" in lines[torch_line + 1]
+    assert "ops: softmax, cross_entropy, blocksparse, log_probs" in lines[torch_line + 1]
 
 
 def test_check_skips_the_ops_a_backend_lacks(softmax_only, capsys):
     assert cli.main(["check", "--backends", f"{FAKE},torch"]) == 0
     out = capsys.readouterr().out
-    assert f"skipped {FAKE} for cross_entropy, blocksparse: does not implement them" in out
+    assert f"skipped {FAKE} for cross_entropy, blocksparse, log_probs: does not implement them" in out
     rows = [[cell.strip() for cell in line.split("|")] for line in out.splitlines() if line.count("|") == 7]
     fake_ops = {row[0].split()[0] for row in rows if row[2] == FAKE}
     assert fake_ops == {"softmax", "log_softmax"}
     assert {row[0].split()[0] for row in rows if row[2] == "torch"} == {
-        "softmax", "log_softmax", "cross_entropy", "linear_cross_entropy", "blocksparse"}
+        "softmax", "log_softmax", "cross_entropy", "linear_cross_entropy", "blocksparse", "log_probs"}
     assert softmax_only, "the fake's softmax ran"
 
 
