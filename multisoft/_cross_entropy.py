@@ -145,16 +145,16 @@ class _CrossEntropy(torch.autograd.Function):
 @torch.library.custom_op("multisoft::cross_entropy_forward", mutates_args=())
 def cross_entropy_forward_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                              ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
-                             lse_square_scale: float, want_grad: bool, return_lse: bool, backend: str
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)
+                             lse_square_scale: float, temperature: float, want_grad: bool, return_lse: bool,
+                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature)
     loss, lse, grad_logits, _ = _kernel_forward(logits, target, weight, options, backend, want_grad, separate=True)
     return loss, lse, grad_logits if grad_logits is not None else logits.new_empty(0)
 
 
 @cross_entropy_forward_op.register_fake
-def _(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, lse_square_scale, want_grad,
-      return_lse, backend):
+def _(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature,
+      want_grad, return_lse, backend):
     rows, dtype = logits.shape[0], stats_dtype(logits.dtype)
     loss = logits.new_empty(rows if reduction == "none" else (), dtype=dtype)
     return loss, logits.new_empty(rows, dtype=dtype), torch.empty_like(logits) if want_grad else logits.new_empty(0)
@@ -175,7 +175,7 @@ def _(grad_logits, factor, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    logits, _, _, _, ctx.reduction, _, ctx.softcap, _, _, return_lse, ctx.backend = inputs
+    logits, _, _, _, ctx.reduction, _, ctx.softcap, _, _, _, return_lse, ctx.backend = inputs
     ctx.save_for_backward(output[2], logits if return_lse else None)  # the logits only to differentiate lse
 
 
@@ -185,7 +185,7 @@ def _op_backward(ctx, grad, grad_lse, _grad_buffer):
     grad_logits = cross_entropy_scale_op(grad_logits, factor, ctx.backend)
     if logits is not None and grad_lse is not None:
         grad_logits = add_lse_gradient(grad_logits, logits, grad_lse, ctx.softcap)
-    return grad_logits, None, None, None, None, None, None, None, None, None, None
+    return grad_logits, None, None, None, None, None, None, None, None, None, None, None
 
 
 cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -201,21 +201,23 @@ cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_setup_co
 @torch.library.custom_op("multisoft::cross_entropy_rows", mutates_args=())
 def cross_entropy_rows_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                           ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
-                          lse_square_scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          lse_square_scale: float, temperature: float, backend: str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's loss, lse and (3, M) statistics (max m of the capped logits u, sum S of exp(u - m), and a third
     row the backward does not use): the backend's forward, without a gradient (``reduction`` is not used)."""
     check_targets_in_bounds(target, logits.shape[1], ignore_index)
     rows, dtype = logits.shape[0], stats_dtype(logits.dtype)
     loss_rows, lse, row_weight = (torch.empty(rows, dtype=dtype, device=logits.device) for _ in range(3))
     row_stats = torch.empty((3, rows), dtype=dtype, device=logits.device)
-    options = LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)
+    options = LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature)
     get_backend(backend).kernels("cross_entropy").forward(
         logits, target, weight, loss_rows, lse, row_weight, None, None, options, row_stats=row_stats)
     return loss_rows, lse, row_stats
 
 
 @cross_entropy_rows_op.register_fake
-def _(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, lse_square_scale, backend):
+def _(logits, target, weight, ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature,
+      backend):
     rows, dtype = logits.shape[0], stats_dtype(logits.dtype)
     return (logits.new_empty(rows, dtype=dtype), logits.new_empty(rows, dtype=dtype),
             logits.new_empty((3, rows), dtype=dtype))
@@ -231,7 +233,7 @@ def _rows_setup_context(ctx, inputs, output):
 def _rows_backward(ctx, grad_loss_rows, grad_lse, _grad_row_stats):
     logits, target, weight, lse, row_stats = ctx.saved_tensors
     grad = _rows_gradient(logits, target, weight, lse, row_stats, grad_loss_rows, grad_lse, ctx.options)
-    return grad, None, None, None, None, None, None, None, None
+    return (grad, *(None,) * (len(LossOptions._fields) + 3))
 
 
 def _rows_gradient(logits, target, weight, lse, row_stats, grad_loss_rows, grad_lse, options: LossOptions):

@@ -56,23 +56,11 @@ import torch.nn.functional as F
 from . import _validate
 from ._cross_entropy import cross_entropy
 from ._forward_ad import refuse_tangents, refuse_transforms
+from ._linear_chunks import autocast_linear, check_linear_layer, chunk_pass, default_chunk_rows
 from ._loss_rules import (LossOptions, broadcast_value, check_targets_in_bounds, check_weight, denominator,
-                          double_backward_error, index_targets, is_dtensor, loss_options, lse_gradient, reduce_rows,
+                          double_backward_error, index_targets, loss_options, lse_gradient, reduce_rows,
                           run_eagerly, second_backward_error, stats_dtype)
 from ._registry import get_backend, resolve_name
-
-# A chunk's logits take at most CHUNK_BYTES (or an eighth of all the logits, if less), but a chunk has at least
-# MIN_CHUNK_ROWS rows (all of them where there are fewer): matmuls of that height still run near the GPU's peak.
-CHUNK_BYTES = 256 << 20
-MIN_CHUNK_ROWS = 1024
-
-
-def default_chunk_rows(rows: int, classes: int, element_size: int) -> int:
-    """Rows per chunk: the fewer of an eighth of the rows and the rows whose logits fit in CHUNK_BYTES, but at
-    least MIN_CHUNK_ROWS (all the rows where there are fewer)."""
-    budget = max(CHUNK_BYTES // max(classes * element_size, 1), 1)
-    eighth = -(-rows // 8)
-    return max(1, min(rows, max(MIN_CHUNK_ROWS, min(eighth, budget))))
 
 
 class _Plan(NamedTuple):
@@ -116,44 +104,6 @@ class _WholeChunks:
         return grad_input
 
 
-def _chunk_pass(input2d, linear_weight, linear_bias, chunk_rows, step, want=(False, False, False)):
-    """One pass over the rows, a chunk at a time, through one logits buffer: ``step(logits, rows)`` computes the
-    chunk's loss and leaves in the logits their gradient where ``want`` asks for any of (grad_input,
-    grad_weight, grad_bias), which are accumulated from it and returned (each None unless asked for)."""
-    rows, classes = input2d.shape[0], linear_weight.shape[0]
-    chunk_rows = min(chunk_rows, rows)
-    buffer = torch.empty((chunk_rows, classes), dtype=input2d.dtype, device=input2d.device)
-    want_input, want_weight, want_bias = want
-    grad_input = torch.empty_like(input2d, memory_format=torch.contiguous_format) if want_input else None
-    weight_sum = bias_sum = None
-    accumulate_dtype = torch.promote_types(input2d.dtype, torch.float32)
-    for start in range(0, rows, chunk_rows):
-        stop = min(start + chunk_rows, rows)
-        x, logits = input2d[start:stop], buffer[: stop - start]
-        if linear_bias is None:
-            torch.mm(x, linear_weight.t(), out=logits)
-        else:
-            torch.addmm(linear_bias, x, linear_weight.t(), out=logits)
-        step(logits, slice(start, stop))
-        if want_input:
-            torch.mm(logits, linear_weight, out=grad_input[start:stop])
-        if want_weight:
-            if weight_sum is None:
-                weight_sum = torch.mm(logits.t(), x)
-            elif weight_sum.dtype == x.dtype:
-                weight_sum.addmm_(logits.t(), x)
-            else:
-                weight_sum.add_(torch.mm(logits.t(), x))
-        if want_bias:
-            part = logits.sum(0, dtype=accumulate_dtype)
-            bias_sum = part if bias_sum is None else bias_sum.add_(part)
-    if grad_input is not None:
-        grad_input = step.input_gradient(grad_input)
-    grad_weight = weight_sum.to(linear_weight.dtype) if weight_sum is not None else None
-    grad_bias = bias_sum.to(linear_bias.dtype) if bias_sum is not None else None
-    return grad_input, grad_weight, grad_bias
-
-
 def _stats(rows, dtype, device, separate=False):
     """(loss_rows, lse, row_weight): one (3, M) allocation, or three (a custom op's outputs must not alias)."""
     if separate:
@@ -191,8 +141,8 @@ def _forward(input2d, linear_weight, linear_bias, target, weight, plan: _Plan, w
         row_max_sum = torch.empty((2, rows), dtype=dtype, device=device)
         step = _sliced_chunks(target, weight, plan, row_max_sum, loss_rows=stats[0], lse=stats[1],
                               grad_scale=grad_scale)
-    grads = _chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step,
-                        want if with_grad else (False, False, False))
+    grads = chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step,
+                       want if with_grad else (False, False, False))
     loss_rows, lse, _ = stats
     return reduce_rows(loss_rows, options.reduction, mean_denominator), lse, grads, row_max_sum
 
@@ -218,7 +168,7 @@ def _recompute(input2d, linear_weight, linear_bias, target, weight, row_max_sum,
         step = _WholeChunks(target, weight, plan, stats, grad_scale, grad_lse)
     else:
         step = _sliced_chunks(target, weight, plan, row_max_sum, grad_scale=grad_scale, grad_lse=grad_lse)
-    return _chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step, want)
+    return chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step, want)
 
 
 def _add(grads, more):
@@ -278,11 +228,11 @@ def _placeholder(grad, like):
 def linear_cross_entropy_forward_op(
         input2d: torch.Tensor, linear_weight: torch.Tensor, linear_bias: Optional[torch.Tensor],
         target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int, reduction: str,
-        label_smoothing: float, softcap: float, lse_square_scale: float, backend: str, chunk_rows: int,
-        want_input: bool, want_weight: bool, want_bias: bool, return_lse: bool
+        label_smoothing: float, softcap: float, lse_square_scale: float, temperature: float, backend: str,
+        chunk_rows: int, want_input: bool, want_weight: bool, want_bias: bool, return_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _Plan(LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale), backend,
-                 chunk_rows)
+    options = LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature)
+    plan = _Plan(options, backend, chunk_rows)
     loss, lse, grads, _ = _forward(input2d, linear_weight, linear_bias, target, weight, plan,
                                    (want_input, want_weight, want_bias), separate=True)
     return loss, lse, *(_placeholder(g, input2d) for g in grads)
@@ -295,7 +245,7 @@ def _fake_grads(input2d, linear_weight, linear_bias, want):
 
 @linear_cross_entropy_forward_op.register_fake
 def _(input2d, linear_weight, linear_bias, target, weight, ignore_index, reduction, label_smoothing, softcap,
-      lse_square_scale, backend, chunk_rows, want_input, want_weight, want_bias, return_lse):
+      lse_square_scale, temperature, backend, chunk_rows, want_input, want_weight, want_bias, return_lse):
     rows, dtype = input2d.shape[0], stats_dtype(input2d.dtype)
     loss = input2d.new_empty(rows if reduction == "none" else (), dtype=dtype)
     want = (want_input, want_weight, want_bias) if reduction != "none" else (False, False, False)
@@ -307,11 +257,12 @@ def linear_cross_entropy_backward_op(
         input2d: torch.Tensor, linear_weight: torch.Tensor, linear_bias: Optional[torch.Tensor],
         target: torch.Tensor, weight: Optional[torch.Tensor], grad: Optional[torch.Tensor],
         grad_lse: Optional[torch.Tensor], ignore_index: int, reduction: str, label_smoothing: float,
-        softcap: float, lse_square_scale: float, backend: str, chunk_rows: int, want_input: bool, want_weight: bool,
-        want_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        softcap: float, lse_square_scale: float, temperature: float, backend: str, chunk_rows: int, want_input: bool,
+        want_weight: bool, want_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The recomputing pass of the backward (the loss's gradient per row as reduction="none" computes it, and
     the lse's), whatever ``reduction`` the forward had."""
-    plan = _Plan(LossOptions(ignore_index, "none", label_smoothing, softcap, lse_square_scale), backend, chunk_rows)
+    options = LossOptions(ignore_index, "none", label_smoothing, softcap, lse_square_scale, temperature)
+    plan = _Plan(options, backend, chunk_rows)
     grads = _recompute(input2d, linear_weight, linear_bias, target, weight, None, plan,
                        (want_input, want_weight, want_bias), grad, grad_lse)
     return tuple(_placeholder(g, input2d) for g in grads)
@@ -319,7 +270,7 @@ def linear_cross_entropy_backward_op(
 
 @linear_cross_entropy_backward_op.register_fake
 def _(input2d, linear_weight, linear_bias, target, weight, grad, grad_lse, ignore_index, reduction, label_smoothing,
-      softcap, lse_square_scale, backend, chunk_rows, want_input, want_weight, want_bias):
+      softcap, lse_square_scale, temperature, backend, chunk_rows, want_input, want_weight, want_bias):
     return _fake_grads(input2d, linear_weight, linear_bias, (want_input, want_weight, want_bias))
 
 
@@ -357,50 +308,21 @@ linear_cross_entropy_forward_op.register_autograd(_op_backward, setup_context=_s
 # -- the public function
 
 
-def _no_dtensor(**tensors):
-    for name, tensor in tensors.items():
-        if is_dtensor(tensor):
-            raise TypeError(f"{name} is a DTensor: linear_cross_entropy takes plain tensors (with process_group, "
-                            f"this rank's local rows of the output layer, e.g. linear_weight.to_local())")
-
-
 def _check(input, linear_weight, target, linear_bias, weight, options: LossOptions, return_lse, chunk_size,
            process_group):
     """Validates the tensors and the flags (the loss options are validated already); returns this rank's slice of
     the classes (a ``vocab_parallel.VocabSlice``), or None without ``process_group``. What needs no other rank is
     checked first; then with ``process_group`` the ranks' slices are learned (one small all-gather) and the number
     of classes and ``weight`` are checked against all of them."""
-    _no_dtensor(input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
-    _validate.floating(input, "input")
-    _validate.floating(linear_weight, "linear_weight")
     _validate.tensor(target, "target")
-    if linear_bias is not None:
-        _validate.floating(linear_bias, "linear_bias")
-    if input.ndim not in (2, 3):
-        raise ValueError(f"input must have shape (M, H) or (B, T, H), got {tuple(input.shape)}")
-    hidden = input.shape[-1]
-    if linear_weight.ndim != 2 or linear_weight.shape[1] != hidden:
-        raise ValueError(f"linear_weight must have shape (V, {hidden}) for input of shape {tuple(input.shape)}, "
-                         f"got {tuple(linear_weight.shape)}")
-    classes = linear_weight.shape[0]
-    if linear_weight.dtype != input.dtype:
-        raise TypeError(f"linear_weight must have the input's dtype {input.dtype}, got {linear_weight.dtype}")
-    if linear_bias is not None:
-        if linear_bias.shape != (classes,):
-            raise ValueError(f"linear_bias must have shape ({classes},), one per row of linear_weight, got "
-                             f"{tuple(linear_bias.shape)}")
-        if linear_bias.dtype != input.dtype:
-            raise TypeError(f"linear_bias must have the input's dtype {input.dtype}, got {linear_bias.dtype}")
+    classes = check_linear_layer("linear_cross_entropy", input, linear_weight, linear_bias, chunk_size,
+                                 target=target, weight=weight)
     if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must hold class indices as int64 or int32 (linear_cross_entropy takes no "
                         f"class-probability targets), got {target.dtype}")
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target must have shape {tuple(input.shape[:-1])} for input of shape "
                          f"{tuple(input.shape)}, got {tuple(target.shape)}")
-    _validate.same_device(input, "input", linear_weight=linear_weight, linear_bias=linear_bias, target=target,
-                          weight=weight)
-    if chunk_size is not None and _validate.integer(chunk_size, "chunk_size") < 1:
-        raise ValueError(f"chunk_size must be a number of rows >= 1, or None for the default; got {chunk_size}")
     _validate.boolean(return_lse, "return_lse")
     vocab_slice, where = None, ""
     if process_group is not None:
@@ -480,30 +402,12 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     if ignore_index is None:
         ignore_index = -100
     options = loss_options(ignore_index, reduction, label_smoothing, softcap, lse_square_scale)
-    input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
+    input, linear_weight, linear_bias = autocast_linear(input, linear_weight, linear_bias)
     arguments = (input, linear_weight, target, linear_bias, weight, options, return_lse, backend, chunk_size,
                  process_group)
     if process_group is not None:
         return run_eagerly(_linear_cross_entropy, *arguments)
     return _linear_cross_entropy(*arguments)
-
-
-def _autocast(input, linear_weight, linear_bias):
-    """What ``F.linear`` does under ``torch.autocast``: its floating arguments (but float64 ones) on the autocast's
-    device type are cast to the autocast's dtype, so that 16-bit hidden states meet a float32 output layer in
-    16 bits, and the float32 weight gets its gradient in float32 through the cast. Unchanged outside autocast
-    (where the dtypes must match, as ``F.linear``'s do)."""
-    if not isinstance(input, torch.Tensor) or not torch.is_autocast_enabled(input.device.type):
-        return input, linear_weight, linear_bias
-    device_type, dtype = input.device.type, torch.get_autocast_dtype(input.device.type)
-
-    def cast(tensor):
-        if (isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != torch.float64
-                and tensor.device.type == device_type):
-            return tensor.to(dtype)
-        return tensor
-
-    return cast(input), cast(linear_weight), cast(linear_bias)
 
 
 def _linear_cross_entropy(input, linear_weight, target, linear_bias, weight, options: LossOptions, return_lse,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import multisoft
 from harness import DEVICE, assert_close, on_each_backend
-from multisoft import _linear_cross_entropy
+from multisoft import _linear_chunks
 from multisoft.check import reference_cross_entropy
 
 each_reduction = pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -329,12 +329,12 @@ def test_hidden_size_zero(backend, reduction):
 def test_default_chunk_rows():
     """An eighth of the rows or CHUNK_BYTES of logits, whichever is fewer rows, never below MIN_CHUNK_ROWS
     (nor above the rows)."""
-    rows_in_budget = _linear_cross_entropy.CHUNK_BYTES // (128000 * 2)
-    assert _linear_cross_entropy.default_chunk_rows(65536, 128000, 2) == rows_in_budget
-    assert _linear_cross_entropy.default_chunk_rows(16384, 32000, 2) == 16384 // 8
-    assert _linear_cross_entropy.default_chunk_rows(4096, 1000, 4) == _linear_cross_entropy.MIN_CHUNK_ROWS
-    assert _linear_cross_entropy.default_chunk_rows(300, 1000, 4) == 300
-    assert _linear_cross_entropy.default_chunk_rows(8192, 10 ** 7, 4) == _linear_cross_entropy.MIN_CHUNK_ROWS
+    rows_in_budget = _linear_chunks.CHUNK_BYTES // (128000 * 2)
+    assert _linear_chunks.default_chunk_rows(65536, 128000, 2) == rows_in_budget
+    assert _linear_chunks.default_chunk_rows(16384, 32000, 2) == 16384 // 8
+    assert _linear_chunks.default_chunk_rows(4096, 1000, 4) == _linear_chunks.MIN_CHUNK_ROWS
+    assert _linear_chunks.default_chunk_rows(300, 1000, 4) == 300
+    assert _linear_chunks.default_chunk_rows(8192, 10 ** 7, 4) == _linear_chunks.MIN_CHUNK_ROWS
 
 
 BAD_ARGUMENTS = [
