@@ -17,6 +17,7 @@ from ._blocksparse import (
 )
 from ._cross_entropy import cross_entropy
 from ._linear_cross_entropy import linear_cross_entropy
+from ._linear_log_probs import linear_log_probs
 from ._log_probs import log_probs
 from ._loss_rules import LossOptions
 from ._softmax import log_softmax, softmax
@@ -37,6 +38,7 @@ __all__ = [
     "blocksparse_to_dense",
     "cross_entropy",
     "linear_cross_entropy",
+    "linear_log_probs",
     "log_probs",
     "log_softmax",
     "nn",

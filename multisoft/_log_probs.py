@@ -31,7 +31,7 @@ def _scaled(x, options: LossOptions):
     return x / options.temperature
 
 
-def _forward(logits, ids, options: LossOptions, backend):
+def rows_forward(logits, ids, options: LossOptions, backend):
     """(log-probabilities (rows, K), entropy (rows,), the kernel's row statistics (3, rows)) of contiguous
     (rows, C) logits and (rows, K) ids: 0 at an id equal to ``ignore_index``, NaN at an id outside the classes
     and throughout a row whose max is infinite or NaN (as torch's ``log_softmax`` there)."""
@@ -53,9 +53,11 @@ def _forward(logits, ids, options: LossOptions, backend):
     return log_probs, entropy, row_stats
 
 
-def _backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options: LossOptions, backend):
+def rows_backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options: LossOptions, backend,
+                  grad_logits=None):
     """d(sum g * log_probs + sum c * entropy)/d logits by the backend's ``log_probs.backward``, either incoming
-    gradient None for none. An id outside the classes makes its row's gradient NaN, an ignored one adds nothing."""
+    gradient None for none, into ``grad_logits`` (a new buffer when None; ``logits`` itself allowed). An id outside
+    the classes makes its row's gradient NaN, an ignored one adds nothing."""
     rows, classes = logits.shape
     dtype = row_stats.dtype
     ignored = ids == options.ignore_index
@@ -66,7 +68,8 @@ def _backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options: Los
     entropy_part = torch.zeros(rows, dtype=dtype, device=logits.device) if grad_entropy is None else \
         grad_entropy.reshape(rows).to(dtype)
     coefficients = torch.stack((grad_ids.sum(1), entropy_part))
-    grad_logits = torch.empty_like(logits)
+    if grad_logits is None:
+        grad_logits = torch.empty_like(logits)
     if rows:
         get_backend(backend).kernels("log_probs").backward(
             logits, torch.where(valid & ~ignored, ids, -1), row_stats, grad_ids, coefficients, grad_logits, options)
@@ -79,7 +82,7 @@ def _backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options: Los
 class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, options: LossOptions, backend):
-        log_probs, entropy, row_stats = _forward(logits, ids, options, backend)
+        log_probs, entropy, row_stats = rows_forward(logits, ids, options, backend)
         ctx.options, ctx.backend = options, backend
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, ids, row_stats)
@@ -93,7 +96,7 @@ class _LogProbs(torch.autograd.Function):
         if grad_log_probs is None and grad_entropy is None:
             return None, None, None, None
         logits, ids, row_stats = ctx.saved_tensors
-        return _backward(logits, ids, row_stats, grad_log_probs, grad_entropy, ctx.options, ctx.backend), \
+        return rows_backward(logits, ids, row_stats, grad_log_probs, grad_entropy, ctx.options, ctx.backend), \
             None, None, None
 
 
@@ -106,7 +109,7 @@ def log_probs_forward_op(logits: torch.Tensor, ids: torch.Tensor, ignore_index: 
                          label_smoothing: float, softcap: float, lse_square_scale: float, temperature: float,
                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature)
-    return _forward(logits, ids, options, backend)
+    return rows_forward(logits, ids, options, backend)
 
 
 @log_probs_forward_op.register_fake
@@ -123,7 +126,7 @@ def log_probs_backward_op(logits: torch.Tensor, ids: torch.Tensor, row_stats: to
                           reduction: str, label_smoothing: float, softcap: float, lse_square_scale: float,
                           temperature: float, backend: str) -> torch.Tensor:
     options = LossOptions(ignore_index, reduction, label_smoothing, softcap, lse_square_scale, temperature)
-    return _backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options, backend)
+    return rows_backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options, backend)
 
 
 @log_probs_backward_op.register_fake
@@ -152,19 +155,18 @@ log_probs_forward_op.register_autograd(_op_backward, setup_context=_setup_contex
 # -- the public function
 
 
-def _ids_of(logits, target):
-    """(target as (rows, K) ids, whether one id a row was given): ``target`` of the logits' shape without the class
-    dimension (one id a row), or with a trailing K (K ids a row)."""
+def ids_of(target, rows_shape, of: str):
+    """(``target`` as (rows, K) ids, whether one id a row was given): ``target`` of the rows' shape (one id a row),
+    or of it with a trailing K (K ids a row); ``of`` names the tensor whose rows they are, for errors."""
     _validate.tensor(target, "target")
     if target.is_floating_point() or target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must hold class ids as int64 or int32, got {target.dtype}")
-    rows_shape = logits.shape[:-1]
     if target.shape == rows_shape:
         return target.reshape(-1, 1), True
-    if target.ndim == logits.ndim and target.shape[:-1] == rows_shape:
+    if target.ndim == len(rows_shape) + 1 and target.shape[:-1] == rows_shape:
         return target.reshape(-1, target.shape[-1]), False
     raise ValueError(f"target must have shape {tuple(rows_shape)} (one id a row) or {tuple(rows_shape)} + (K,) "
-                     f"(K ids a row) for logits of shape {tuple(logits.shape)}, got {tuple(target.shape)}")
+                     f"(K ids a row) for {of}, got {tuple(target.shape)}")
 
 
 def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
@@ -199,7 +201,7 @@ def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float 
     if logits.ndim == 0:
         raise ValueError("logits must have shape (..., V), the classes last, got a 0-d tensor")
     _validate.boolean(return_entropy, "return_entropy")
-    ids, one_id = _ids_of(logits, target)
+    ids, one_id = ids_of(target, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}")
     _validate.same_device(logits, "logits", target=target)
     classes = logits.shape[-1]
     if classes == 0 and ids.numel() > 0:
@@ -212,7 +214,7 @@ def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float 
     elif rows_2d.requires_grad and torch.is_grad_enabled():
         result, entropy = _LogProbs.apply(rows_2d, ids, options, backend)
     else:
-        result, entropy, _ = _forward(rows_2d, ids, options, backend)
+        result, entropy, _ = rows_forward(rows_2d, ids, options, backend)
     result = result.reshape(target.shape) if one_id else result.reshape(*logits.shape[:-1], ids.shape[1])
     if not return_entropy:
         return result

@@ -177,19 +177,25 @@ def reference_log_probs_gradient(logits, target, grad_log_probs=None, grad_entro
     return grad, derivative.abs() * size
 
 
-def reference_linear_cross_entropy(input, linear_weight, target, linear_bias=None, **options):
-    """multisoft.linear_cross_entropy in float64: ``reference_cross_entropy`` of ``F.linear`` of float64 copies of
-    ``input``, ``linear_weight`` and ``linear_bias`` (returned as the first item, leaves that require grad, so that
-    the result differentiates into them). 16-bit logits take the values that torch's ``F.linear`` gives in that
-    dtype: that rounding, up to 2**-9 of each logit in bfloat16, belongs to the function (the cross-entropy of the
-    16-bit logits), not to its implementation, and exp() would turn it into more than the dtype's tolerance once
-    logits pass ~4. Returns (leaves, float64 logits (M, V), the reference's output)."""
+def reference_linear_logits(input, linear_weight, linear_bias=None):
+    """(float64 leaves of ``input``, ``linear_weight`` and ``linear_bias`` that require grad, the float64 logits
+    (M, V) of ``F.linear`` of them, differentiable into them). 16-bit logits take the values that torch's
+    ``F.linear`` gives in that dtype: that rounding, up to 2**-9 of each logit in bfloat16, belongs to the function
+    (the op of the 16-bit logits), not to its implementation, and exp() would turn it into more than the dtype's
+    tolerance once logits pass ~4."""
     given = (input, linear_weight, linear_bias)
     leaves = [None if t is None else t.detach().double().requires_grad_() for t in given]
     logits = F.linear(*leaves).reshape(-1, linear_weight.shape[0])
     if input.dtype in (torch.float16, torch.bfloat16):
         rounded = F.linear(*(None if t is None else t.detach() for t in given))
         logits = logits + (rounded.double().reshape(logits.shape) - logits).detach()
+    return leaves, logits
+
+
+def reference_linear_cross_entropy(input, linear_weight, target, linear_bias=None, **options):
+    """multisoft.linear_cross_entropy in float64: ``reference_cross_entropy`` of ``reference_linear_logits``.
+    Returns (leaves, float64 logits (M, V), the reference's output)."""
+    leaves, logits = reference_linear_logits(input, linear_weight, linear_bias)
     return leaves, logits, reference_cross_entropy(logits, target.reshape(-1), **options)
 
 
