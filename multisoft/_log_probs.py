@@ -18,39 +18,23 @@ import torch
 
 from . import _validate
 from ._forward_ad import refuse_tangents, refuse_transforms
-from ._loss_rules import LossOptions, check_targets_in_bounds, loss_options, stats_dtype
+from ._loss_rules import (LossOptions, check_targets_in_bounds, log_probs_coefficients, log_probs_outputs,
+                          loss_options, scaled_logits, stats_dtype)
 from ._registry import get_backend, resolve_name
-
-NAN, INF = float("nan"), float("inf")
-
-
-def _scaled(x, options: LossOptions):
-    """u of logits ``x`` (in the statistics' dtype): softcap first, then temperature, as the kernels compute it."""
-    if options.softcap:
-        x = torch.tanh(x / options.softcap) * options.softcap
-    return x / options.temperature
 
 
 def rows_forward(logits, ids, options: LossOptions, backend):
     """(log-probabilities (rows, K), entropy (rows,), the kernel's row statistics (3, rows)) of contiguous
-    (rows, C) logits and (rows, K) ids: 0 at an id equal to ``ignore_index``, NaN at an id outside the classes
-    and throughout a row whose max is infinite or NaN (as torch's ``log_softmax`` there)."""
+    (rows, C) logits and (rows, K) ids (``_loss_rules.log_probs_outputs``)."""
     rows, classes = logits.shape
     check_targets_in_bounds(ids, classes, options.ignore_index)
     dtype = stats_dtype(logits.dtype)
     row_stats = torch.empty((3, rows), dtype=dtype, device=logits.device)
     if rows:
         get_backend(backend).kernels("log_probs").forward(logits, row_stats, options)
-    row_max, row_sum, spread = row_stats
-    log_sum = row_sum.log()
-    ignored = ids == options.ignore_index
     valid = (ids >= 0) & (ids < classes)
-    picked = _scaled(logits.gather(1, torch.where(valid, ids, 0).long()).to(dtype), options)
-    finite_row = row_max.abs() != INF
-    log_probs = (picked - row_max.unsqueeze(1)) - log_sum.unsqueeze(1)  # m apart from log S, as the kernels keep it
-    log_probs = torch.where(ignored, 0.0, torch.where(valid & finite_row.unsqueeze(1), log_probs, NAN))
-    entropy = torch.where(finite_row, log_sum - spread, NAN)
-    return log_probs, entropy, row_stats
+    picked = scaled_logits(logits.gather(1, torch.where(valid, ids, 0).long()).to(dtype), options)
+    return *log_probs_outputs(row_stats, picked, ids, classes, options), row_stats
 
 
 def rows_backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options: LossOptions, backend,
@@ -59,20 +43,14 @@ def rows_backward(logits, ids, row_stats, grad_log_probs, grad_entropy, options:
     gradient None for none, into ``grad_logits`` (a new buffer when None; ``logits`` itself allowed). An id outside
     the classes makes its row's gradient NaN, an ignored one adds nothing."""
     rows, classes = logits.shape
-    dtype = row_stats.dtype
-    ignored = ids == options.ignore_index
-    valid = (ids >= 0) & (ids < classes)
-    grad_ids = torch.zeros(ids.shape, dtype=dtype, device=logits.device) if grad_log_probs is None else \
-        grad_log_probs.to(dtype)
-    grad_ids = torch.where(ignored, 0.0, torch.where(valid, grad_ids, NAN)).contiguous()
-    entropy_part = torch.zeros(rows, dtype=dtype, device=logits.device) if grad_entropy is None else \
-        grad_entropy.reshape(rows).to(dtype)
-    coefficients = torch.stack((grad_ids.sum(1), entropy_part))
+    grad_ids, coefficients = log_probs_coefficients(ids, grad_log_probs, grad_entropy, classes, options,
+                                                    row_stats.dtype)
     if grad_logits is None:
         grad_logits = torch.empty_like(logits)
     if rows:
-        get_backend(backend).kernels("log_probs").backward(
-            logits, torch.where(valid & ~ignored, ids, -1), row_stats, grad_ids, coefficients, grad_logits, options)
+        kernel_ids = torch.where((ids >= 0) & (ids < classes) & (ids != options.ignore_index), ids, -1)
+        get_backend(backend).kernels("log_probs").backward(logits, kernel_ids, row_stats, grad_ids, coefficients,
+                                                           grad_logits, options)
     return grad_logits
 
 

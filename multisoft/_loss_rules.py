@@ -363,6 +363,46 @@ def add_lse_gradient(grad_logits, logits, grad_lse, softcap):
     return grad_logits.add_(part)
 
 
+# -- per-token log-probabilities: from the whole rows' statistics (m, S, E) to the outputs, and the incoming
+# gradients as the backward's kernel takes them
+
+
+def scaled_logits(x, options: LossOptions):
+    """u of logits ``x`` (in the statistics' dtype): softcap first, then temperature, as the kernels compute it."""
+    if options.softcap:
+        x = torch.tanh(x / options.softcap) * options.softcap
+    return x / options.temperature
+
+
+def log_probs_outputs(row_stats, picked, ids, classes, options: LossOptions):
+    """(log-probabilities (rows, K), entropy (rows,)) from the whole rows' (3, rows) statistics (max m of u, sum S
+    of exp(u - m), E = sum p (u - m)) and ``picked``, u at the (rows, K) ``ids``: u_t - m - log S (m apart from
+    log S, as the kernels keep them) and log S - E; 0 at an id equal to ``ignore_index``, NaN at an id outside
+    the ``classes`` and throughout a row whose max is infinite or NaN (as torch's ``log_softmax`` there)."""
+    row_max, row_sum, spread = row_stats
+    log_sum = row_sum.log()
+    valid = (ids >= 0) & (ids < classes)
+    finite_row = row_max.abs() != float("inf")
+    log_probs = (picked - row_max.unsqueeze(1)) - log_sum.unsqueeze(1)
+    log_probs = torch.where(ids == options.ignore_index, 0.0,
+                            torch.where(valid & finite_row.unsqueeze(1), log_probs, float("nan")))
+    return log_probs, torch.where(finite_row, log_sum - spread, float("nan"))
+
+
+def log_probs_coefficients(ids, grad_log_probs, grad_entropy, classes, options: LossOptions, dtype):
+    """(the incoming gradient of each id (rows, K), the (2, rows) coefficients (sum of those, the entropy's
+    incoming gradient)) as ``log_probs.backward`` takes them, either incoming gradient None for none: 0 at an id
+    equal to ``ignore_index``, NaN at an id outside the ``classes`` (its row's gradient is then NaN)."""
+    rows, device = ids.shape[0], ids.device
+    grad_ids = torch.zeros(ids.shape, dtype=dtype, device=device) if grad_log_probs is None else \
+        grad_log_probs.to(dtype)
+    valid = (ids >= 0) & (ids < classes)
+    grad_ids = torch.where(ids == options.ignore_index, 0.0, torch.where(valid, grad_ids, float("nan")))
+    entropy_part = torch.zeros(rows, dtype=dtype, device=device) if grad_entropy is None else \
+        grad_entropy.reshape(rows).to(dtype)
+    return grad_ids.contiguous(), torch.stack((grad_ids.sum(1), entropy_part))
+
+
 # -- the errors of a gradient computed in the forward
 
 
