@@ -13,7 +13,6 @@ import torch
 
 NAME = "numba"
 PRIORITY = 100
-OPS = ("softmax", "cross_entropy", "blocksparse")  # log_probs: not yet
 INSTALL = "pip install 'multisoft[numba]'"
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the dtypes the kernels run

@@ -62,6 +62,22 @@ CE_SCALE_BLOCKS_PER_SM = 8
 CE_GRADIENT_UNROLL = 16
 CE_GRADIENT_THREADS = 256
 
+# -- log-probabilities and entropy (log_probs.py)
+
+# forward: a block a row streams it once, LP_UNROLL elements a thread a step (whole chunks: the widest vector of at
+# most 16 bytes whose length divides C), a block of about C / (LP_STEPS * LP_UNROLL) threads, at most
+# LP_FORWARD_THREADS, so that two or more blocks share a multiprocessor and one block's merge at its row's end
+# overlaps another's loads. Chosen from C and the dtype only: they set the order of a row's sums (docs/tuning.md).
+LP_UNROLL = 16
+LP_STEPS = 4
+LP_FORWARD_THREADS = 512
+# backward, one elementwise sweep: elements a thread and most threads a block, cross-entropy's gradient()'s
+# (docs/tuning.md); a block per part of a row and per row, at most LP_BACKWARD_ROW_BLOCKS along the rows (the grid's
+# y limit): past that the blocks walk the rows.
+LP_BACKWARD_UNROLL = 16
+LP_BACKWARD_THREADS = 256
+LP_BACKWARD_ROW_BLOCKS = 65535
+
 # -- block-sparse softmax (blocksparse.py)
 
 # Values a lane holds (a tile is the row's lanes times that), forward, and of each of y and dy, backward, by element
