@@ -110,7 +110,7 @@ def test_simulated_follows_the_environment(monkeypatch):
 # Each module of the backend imports only modules before it here (the layer order of the backend layout).
 IMPORT_ORDER = ("__init__", "_tuning", "_launch", "_intrinsics", "_device", "_softmax_rows", "_softmax_split",
                 "_blocksparse_rows", "_blocksparse_float", "_blocksparse_packed", "_cross_entropy_probabilities",
-                "softmax", "cross_entropy", "blocksparse")
+                "softmax", "cross_entropy", "log_probs", "blocksparse")
 
 
 def test_modules_import_only_the_layers_below_them():
