@@ -22,7 +22,7 @@ from . import _validate
 from ._forward_ad import refuse_tangents, refuse_transforms
 from ._linear_chunks import autocast_linear, check_linear_layer, chunk_pass, default_chunk_rows
 from ._log_probs import ids_of, log_probs, rows_backward, rows_forward
-from ._loss_rules import LossOptions, loss_options, stats_dtype
+from ._loss_rules import LossOptions, loss_options, run_eagerly, stats_dtype
 from ._registry import resolve_name
 
 
@@ -31,6 +31,7 @@ class _Plan(NamedTuple):
     options: LossOptions
     backend: str
     chunk_rows: int
+    vocab_slice: object = None  # vocabulary-parallel: this rank's slice of the classes (a vocab_parallel.VocabSlice)
 
 
 class _ForwardChunks:
@@ -75,7 +76,13 @@ def _forward(input2d, linear_weight, linear_bias, ids, plan: _Plan):
     log_probs = torch.empty(ids.shape, dtype=dtype, device=device)
     entropy = torch.empty(rows, dtype=dtype, device=device)
     row_stats = torch.empty((3, rows), dtype=dtype, device=device)
-    step = _ForwardChunks(ids, plan, log_probs, entropy, row_stats)
+    if plan.vocab_slice is None:
+        step = _ForwardChunks(ids, plan, log_probs, entropy, row_stats)
+    else:
+        from .vocab_parallel import LinearLogProbsChunks
+
+        step = LinearLogProbsChunks(ids, plan.vocab_slice, plan.options, plan.backend, row_stats,
+                                    log_probs=log_probs, entropy=entropy)
     chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step)
     return log_probs, entropy, row_stats
 
@@ -85,7 +92,13 @@ def _backward(input2d, linear_weight, linear_bias, ids, row_stats, grad_log_prob
     backward's chunk pass, the logits computed again."""
     if grad_log_probs is None and grad_entropy is None:
         return None, None, None
-    step = _BackwardChunks(ids, row_stats, grad_log_probs, grad_entropy, plan)
+    if plan.vocab_slice is None:
+        step = _BackwardChunks(ids, row_stats, grad_log_probs, grad_entropy, plan)
+    else:
+        from .vocab_parallel import LinearLogProbsChunks
+
+        step = LinearLogProbsChunks(ids, plan.vocab_slice, plan.options, plan.backend, row_stats,
+                                    grad_log_probs=grad_log_probs, grad_entropy=grad_entropy)
     return chunk_pass(input2d, linear_weight, linear_bias, plan.chunk_rows, step, want)
 
 
@@ -178,7 +191,7 @@ linear_log_probs_forward_op.register_autograd(_op_backward, setup_context=_setup
 def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                      linear_bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
                      ignore_index: int = -100, return_entropy: bool = False, chunk_size: int | None = None,
-                     backend: str | None = None):
+                     backend: str | None = None, process_group=None):
     """``multisoft.log_probs(F.linear(input, linear_weight, linear_bias), target, ...)`` without holding the logits:
     per-token log-probabilities of the ``target`` ids (and the entropy) from a language model's last hidden states
     and its output layer.
@@ -195,29 +208,56 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     them, and accumulates the gradients of ``input``, ``linear_weight`` and ``linear_bias`` (four matrix products
     in all). Peak memory beyond the gradients: one chunk of logits. Double backward, forward-mode AD and
     ``torch.func`` transforms are not supported (they raise). Works under ``torch.compile(fullgraph=True)``.
+
+    ``process_group`` (a ``torch.distributed`` process group of P ranks): vocabulary-parallel, as
+    ``linear_cross_entropy``'s. ``linear_weight`` (V_r, H) and ``linear_bias`` (V_r,) are this rank's contiguous
+    rows of the output layer, the ranks' slices in group-rank order (widths may differ, and may be 0); ``input``
+    and ``target`` (global ids) are the same on every rank, and so must the incoming gradients be. Every rank gets
+    the log-probabilities and entropy of the whole rows; ``linear_weight`` and ``linear_bias`` get this rank's
+    slice of the gradient, ``input`` the whole of it (one all-reduce in the backward: a model whose
+    tensor-parallel layer also all-reduces that gradient must not). The forward runs one all-gather of 3 + K
+    numbers a row per chunk; ``chunk_size`` must be the same on every rank (the default is). Not traced by
+    ``torch.compile`` (it runs eagerly, a graph break).
     """
     refuse_transforms("linear_log_probs")
     refuse_tangents("linear_log_probs", input=input, linear_weight=linear_weight, linear_bias=linear_bias)
     options = loss_options(ignore_index, "none", 0.0, softcap, 0.0, temperature)
     _validate.boolean(return_entropy, "return_entropy")
     input, linear_weight, linear_bias = autocast_linear(input, linear_weight, linear_bias)
+    arguments = (input, linear_weight, target, linear_bias, options, return_entropy, chunk_size, backend,
+                 process_group)
+    if process_group is not None:
+        return run_eagerly(_linear_log_probs, *arguments)
+    return _linear_log_probs(*arguments)
+
+
+def _linear_log_probs(input, linear_weight, target, linear_bias, options: LossOptions, return_entropy, chunk_size,
+                      backend, process_group):
     _validate.tensor(target, "target")
     classes = check_linear_layer("linear_log_probs", input, linear_weight, linear_bias, chunk_size, target=target)
     ids, one_id = ids_of(target, input.shape[:-1], f"input of shape {tuple(input.shape)}")
+    vocab_slice, where, widest = None, "", classes
+    if process_group is not None:
+        from .vocab_parallel import VocabSlice
+
+        vocab_slice = VocabSlice.of(process_group, classes, input.device)
+        classes, where, widest = vocab_slice.total, " on any rank of process_group", vocab_slice.widest
     if classes == 0 and ids.numel() > 0:
-        raise ValueError("linear_weight has no rows (no classes): there is nothing to score")
+        raise ValueError(f"linear_weight has no rows{where} (no classes): there is nothing to score")
     backend = resolve_name(input.device, input.dtype, _validate.backend_name(backend), "log_probs")
     input2d = input.reshape(-1, input.shape[-1]).contiguous()
     ids = ids.contiguous()
     rows = input2d.shape[0]
     if rows == 0:
-        return log_probs(F.linear(input, linear_weight, linear_bias), target, temperature=temperature, softcap=softcap,
-                         ignore_index=ignore_index, return_entropy=return_entropy, backend=backend)
-    chunk_rows = chunk_size if chunk_size is not None else default_chunk_rows(rows, classes, input.element_size())
-    plan = _Plan(options, backend, max(1, min(chunk_rows, rows)))
+        return log_probs(F.linear(input, linear_weight, linear_bias), target, temperature=options.temperature,
+                         softcap=options.softcap or None, ignore_index=options.ignore_index,
+                         return_entropy=return_entropy, backend=backend, process_group=process_group)
+    # every rank of a group runs as many chunks (one all-gather each): the rows a chunk takes on the widest
+    chunk_rows = chunk_size if chunk_size is not None else default_chunk_rows(rows, widest, input.element_size())
+    plan = _Plan(options, backend, max(1, min(chunk_rows, rows)), vocab_slice)
     want = tuple(bool(torch.is_grad_enabled() and t is not None and t.requires_grad)
                  for t in (input2d, linear_weight, linear_bias))
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and vocab_slice is None:
         result, entropy, _ = linear_log_probs_forward_op(input2d, linear_weight, linear_bias, ids, *options, backend,
                                                          plan.chunk_rows)
     elif any(want):

@@ -18,8 +18,8 @@ import torch
 
 from . import _validate
 from ._forward_ad import refuse_tangents, refuse_transforms
-from ._loss_rules import (LossOptions, check_targets_in_bounds, log_probs_coefficients, log_probs_outputs,
-                          loss_options, scaled_logits, stats_dtype)
+from ._loss_rules import (LossOptions, check_targets_in_bounds, is_dtensor, log_probs_coefficients,
+                          log_probs_outputs, loss_options, run_eagerly, scaled_logits, stats_dtype)
 from ._registry import get_backend, resolve_name
 
 
@@ -148,7 +148,8 @@ def ids_of(target, rows_shape, of: str):
 
 
 def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
-              ignore_index: int = -100, return_entropy: bool = False, backend: str | None = None):
+              ignore_index: int = -100, return_entropy: bool = False, backend: str | None = None,
+              process_group=None):
     """The log-probability of each ``target`` id under ``softmax(u / temperature)``, ``u`` the (soft-capped)
     logits, and optionally each row's entropy of that distribution; differentiable with any incoming gradients.
 
@@ -171,10 +172,20 @@ def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float 
     (where checking would synchronise) its log-probability and its row's gradient are NaN. Rows whose logits hold
     NaN or +inf, or are all -inf, give NaN, as torch's ``log_softmax`` does. Double backward, forward-mode AD and
     ``torch.func`` transforms are not supported (they raise). Works under ``torch.compile(fullgraph=True)``.
+
+    ``process_group`` (a ``torch.distributed`` process group of P ranks): vocabulary-parallel. ``logits`` is this
+    rank's contiguous slice of the classes, the ranks' slices in group-rank order (widths may differ, and may be
+    0); ``target`` holds global ids, the same on every rank. Every rank gets the log-probabilities and entropy of
+    the whole rows, and its slice of the gradient. The forward runs one all-gather of 3 + K numbers a row; the
+    backward communicates nothing (every rank's incoming gradients must be the same). Not traced by
+    ``torch.compile`` (it runs eagerly, a graph break).
     """
     refuse_transforms("log_probs")
     refuse_tangents("log_probs", logits=logits)
     options = loss_options(ignore_index, "none", 0.0, softcap, 0.0, temperature)
+    if is_dtensor(logits):
+        raise TypeError("logits is a DTensor: log_probs takes this rank's local slice of the classes with "
+                        "process_group (logits.to_local())")
     _validate.floating(logits, "logits")
     if logits.ndim == 0:
         raise ValueError("logits must have shape (..., V), the classes last, got a 0-d tensor")
@@ -182,12 +193,16 @@ def log_probs(logits: torch.Tensor, target: torch.Tensor, *, temperature: float 
     ids, one_id = ids_of(target, logits.shape[:-1], f"logits of shape {tuple(logits.shape)}")
     _validate.same_device(logits, "logits", target=target)
     classes = logits.shape[-1]
-    if classes == 0 and ids.numel() > 0:
+    if classes == 0 and ids.numel() > 0 and process_group is None:
         raise ValueError(f"logits have no classes (shape {tuple(logits.shape)}): there is nothing to score")
     backend = resolve_name(logits.device, logits.dtype, _validate.backend_name(backend), "log_probs")
-    rows_2d = logits.reshape(-1, classes).contiguous()
+    rows_2d = logits.reshape(ids.shape[0], classes).contiguous()
     ids = ids.contiguous()
-    if torch.compiler.is_compiling():
+    if process_group is not None:
+        from . import vocab_parallel
+
+        result, entropy = run_eagerly(vocab_parallel.log_probs, rows_2d, ids, options, backend, process_group)
+    elif torch.compiler.is_compiling():
         result, entropy, _ = log_probs_forward_op(rows_2d, ids, *options, backend)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
         result, entropy = _LogProbs.apply(rows_2d, ids, options, backend)

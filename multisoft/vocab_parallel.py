@@ -35,12 +35,12 @@ import torch.distributed as dist
 from . import _validate
 from ._loss_rules import (LossOptions, TargetTerms, backward_scale, check_classes, check_logits_and_target,
                           check_targets_in_bounds, check_weight, denominator, double_backward_error, empty_rows,
-                          folds_mean, gradient_coefficients, inplace_lse_error, kernel_inputs, reduce_rows,
-                          scale_by_incoming, second_backward_error, shaped_result, softcap_derivative_, stats_dtype,
-                          target_terms)
+                          folds_mean, gradient_coefficients, inplace_lse_error, kernel_inputs, log_probs_coefficients,
+                          log_probs_outputs, reduce_rows, scale_by_incoming, scaled_logits, second_backward_error,
+                          shaped_result, softcap_derivative_, stats_dtype, target_terms)
 from ._registry import get_backend, resolve_name
 
-__all__ = ["VocabSlice", "LinearChunks", "cross_entropy"]
+__all__ = ["VocabSlice", "LinearChunks", "LinearLogProbsChunks", "cross_entropy", "log_probs"]
 
 _STATS_PER_ROW = 4   # m_r, S_r, a_r, u_t (or 0): what one rank sends of a row
 _CACHED_SLICES_LIMIT = 64
@@ -419,3 +419,138 @@ def cross_entropy(logits, target, weight, options: LossOptions, return_lse, back
     else:
         loss, lse, _, _, _ = _forward(rows_2d, flat_target, weight, vocab_slice, options, backend, False)
     return shaped_result(loss, lse, logits, options.reduction, return_lse)
+
+
+# -- per-token log-probabilities (multisoft.log_probs and linear_log_probs with process_group): pass 1 writes each
+# rank's (m_r, S_r, E_r) of its slice, one all-gather of 3 + K numbers a row (those and u at the ids it holds),
+# combined alike on every rank into the whole rows' (m, S, E); the backward writes this rank's slice of the
+# gradient from them, communicating nothing.
+
+
+def _log_probs_statistics(rows_2d, ids, vocab_slice: VocabSlice, options: LossOptions, backend):
+    """Pass 1 and the all-gather: (P, 3 + K, M) of every rank's m_r, S_r, A_r = S_r E_r and u at the (M, K) ids
+    it holds (0 elsewhere), and this rank's ids as the kernel takes them (-1 where it does not hold them)."""
+    rows, ids_a_row = ids.shape
+    dtype, device = stats_dtype(rows_2d.dtype), rows_2d.device
+    local = torch.empty((3 + ids_a_row, rows), dtype=dtype, device=device)
+    local_ids = ids - vocab_slice.start
+    held = (local_ids >= 0) & (local_ids < vocab_slice.width) & (ids != options.ignore_index)
+    if vocab_slice.width:
+        get_backend(backend).kernels("log_probs").forward(rows_2d, local[:3], options)
+        rank_max, rank_sum, spread = local[:3]
+        empty = rank_max == float("-inf")  # no class of the row here but -inf ones: the rank adds nothing
+        local[1], local[2] = torch.where(empty, 0.0, rank_sum), torch.where(empty, 0.0, spread * rank_sum)
+        picked = rows_2d.detach().gather(1, torch.where(held, local_ids, 0).long()).to(dtype)
+        local[3:] = torch.where(held, scaled_logits(picked, options), 0.0).t()
+    else:
+        local[0].fill_(float("-inf"))
+        local[1:].zero_()
+    gathered = torch.empty((vocab_slice.ranks * (3 + ids_a_row), rows), dtype=dtype, device=device)
+    all_gather_into(gathered, local, vocab_slice.group)
+    return gathered.view(vocab_slice.ranks, 3 + ids_a_row, rows), torch.where(held, local_ids, -1)
+
+
+def _combine_log_probs(stats):
+    """The whole rows' (3, M) statistics (m, S, E) and u at the ids (M, K), alike on every rank, from every rank's
+    (P, 3 + K, M): at m = max m_r, S = sum S_r e^(m_r - m), S E = sum e^(m_r - m) (A_r + (m_r - m) S_r)."""
+    rank_max, rank_sum, rank_spread = stats[:, 0], stats[:, 1], stats[:, 2]
+    row_max = rank_max.amax(0)
+    present = rank_max != float("-inf")
+    shift = torch.where(present, rank_max - row_max, 0.0)
+    scale = torch.where(present, shift.exp(), 0.0)
+    row_sum = (rank_sum * scale).sum(0)
+    spread = (scale * (rank_spread + shift * rank_sum)).sum(0) / row_sum
+    return torch.stack((row_max, row_sum, spread)), stats[:, 3:].sum(0).t()
+
+
+def log_probs_forward(rows_2d, ids, vocab_slice: VocabSlice, options: LossOptions, backend):
+    """(log-probabilities (M, K), entropy (M,), the whole rows' (3, M) statistics, this rank's kernel ids) of this
+    rank's slice of the rows' classes: pass 1, one all-gather, the combine."""
+    check_targets_in_bounds(ids, vocab_slice.total, options.ignore_index)  # every rank alike, before the gather
+    stats, kernel_ids = _log_probs_statistics(rows_2d, ids, vocab_slice, options, backend)
+    row_stats, picked = _combine_log_probs(stats)
+    log_probs, entropy = log_probs_outputs(row_stats, picked, ids, vocab_slice.total, options)
+    return log_probs, entropy, row_stats, kernel_ids
+
+
+def log_probs_backward(rows_2d, ids, kernel_ids, row_stats, grad_log_probs, grad_entropy, vocab_slice: VocabSlice,
+                       options: LossOptions, backend, grad_logits=None):
+    """This rank's slice of the gradient (``rows_2d`` itself allowed as ``grad_logits``) from the whole rows'
+    statistics: no collective."""
+    grad_ids, coefficients = log_probs_coefficients(ids, grad_log_probs, grad_entropy, vocab_slice.total, options,
+                                                    row_stats.dtype)
+    if grad_logits is None:
+        grad_logits = torch.empty_like(rows_2d)
+    if vocab_slice.width and rows_2d.shape[0]:
+        get_backend(backend).kernels("log_probs").backward(rows_2d, kernel_ids, row_stats, grad_ids, coefficients,
+                                                           grad_logits, options)
+    return grad_logits
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, vocab_slice, options, backend):
+        log_probs, entropy, row_stats, kernel_ids = log_probs_forward(logits, ids, vocab_slice, options, backend)
+        ctx.vocab_slice, ctx.options, ctx.backend = vocab_slice, options, backend
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, ids, kernel_ids, row_stats)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        if torch.is_grad_enabled():
+            raise RuntimeError("multisoft.log_probs does not support double backward (create_graph=True): its "
+                               "gradient is computed by a kernel")
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None, None
+        logits, ids, kernel_ids, row_stats = ctx.saved_tensors
+        grad = log_probs_backward(logits, ids, kernel_ids, row_stats, grad_log_probs, grad_entropy, ctx.vocab_slice,
+                                  ctx.options, ctx.backend)
+        return grad, None, None, None, None
+
+
+def log_probs(rows_2d, ids, options: LossOptions, backend, process_group):
+    """``multisoft.log_probs`` with ``process_group``: (log-probabilities (M, K), entropy (M,)) of this rank's
+    (M, V_r) slice of the logits' classes, the ranks' slices in group-rank order. Run eagerly
+    (``_loss_rules.run_eagerly``)."""
+    vocab_slice = VocabSlice.of(process_group, rows_2d.shape[1], rows_2d.device)
+    if vocab_slice.total == 0 and ids.numel() > 0:
+        raise ValueError("logits have no classes on any rank of process_group: there is nothing to score")
+    if rows_2d.requires_grad and torch.is_grad_enabled():
+        return _VocabParallelLogProbs.apply(rows_2d, ids, vocab_slice, options, backend)
+    log_probs, entropy, _, _ = log_probs_forward(rows_2d, ids, vocab_slice, options, backend)
+    return log_probs, entropy
+
+
+class LinearLogProbsChunks:
+    """multisoft.linear_log_probs's per-chunk step for this rank's slice of the classes: in the forward
+    (``log_probs``, ``entropy`` and ``row_stats`` to fill over all M rows) pass 1, one all-gather and the combine
+    of each chunk; in the backward (``row_stats`` the forward's; ``grad_log_probs``/``grad_entropy`` over all M
+    rows, either None) this rank's slice of the gradient in place of the chunk's logits, communicating nothing.
+    The input's gradient is then summed over the ranks by one all-reduce."""
+
+    def __init__(self, ids, vocab_slice: VocabSlice, options: LossOptions, backend, row_stats, *, log_probs=None,
+                 entropy=None, grad_log_probs=None, grad_entropy=None):
+        self.ids, self.vocab_slice, self.options, self.backend = ids, vocab_slice, options, backend
+        self.row_stats, self.log_probs, self.entropy = row_stats, log_probs, entropy
+        self.grad_log_probs, self.grad_entropy = grad_log_probs, grad_entropy
+
+    def __call__(self, logits, rows: slice) -> None:
+        ids = self.ids[rows]
+        if self.log_probs is not None:
+            log_probs, entropy, row_stats, _ = log_probs_forward(logits, ids, self.vocab_slice, self.options,
+                                                                 self.backend)
+            self.log_probs[rows], self.entropy[rows], self.row_stats[:, rows] = log_probs, entropy, row_stats
+            return
+        local_ids = ids - self.vocab_slice.start
+        held = (local_ids >= 0) & (local_ids < self.vocab_slice.width) & (ids != self.options.ignore_index)
+        grad_log_probs = self.grad_log_probs[rows] if self.grad_log_probs is not None else None
+        grad_entropy = self.grad_entropy[rows] if self.grad_entropy is not None else None
+        log_probs_backward(logits, ids, torch.where(held, local_ids, -1), self.row_stats[:, rows].contiguous(),
+                           grad_log_probs, grad_entropy, self.vocab_slice, self.options, self.backend,
+                           grad_logits=logits)
+
+    def input_gradient(self, grad_input):
+        """The sum over the ranks of each one's share of ``input``'s gradient: one all-reduce, in place."""
+        dist.all_reduce(grad_input, group=self.vocab_slice.group)
+        return grad_input
