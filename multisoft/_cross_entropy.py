@@ -1,6 +1,6 @@
 """cross_entropy: autograd, torch.library ops, public function.
 
-For class-index targets the gradient is computed in the forward, by the same
+For a reduced loss over class-index targets the gradient is computed in the forward, by the same
 kernel pass as the loss (two passes over the logits in all, where a
 forward that kept the log-sum-exp and a backward that read the logits again
 take three): the forward writes each row's gradient times ``grad_scale``
@@ -12,6 +12,12 @@ graph can be differentiated once: a second backward, or a double backward,
 raises. Class-probability targets take the same path through the backends'
 ``probabilities_forward``; only a target that itself requires grad is computed
 with differentiable torch ops instead (its gradient is then torch's).
+
+``reduction="none"`` over class indices (per-token losses, whose incoming gradients are unknown until the
+backward) takes ``_PerRowCrossEntropy`` instead: the forward reads the logits once for each row's loss, lse, max
+and sum of exponentials, and the backward has the backend's ``gradient`` write the gradient of the incoming
+per-row gradients from those (one read, one write): three passes in all, where a gradient written in the forward
+and then scaled costs four, and a 16-bit gradient is rounded once, not twice.
 
 Under torch.compile, class-index targets go through ``cross_entropy_rows_op``
 instead: the kernel only reads the logits, for each row's loss, lse, max and
@@ -135,6 +141,43 @@ class _CrossEntropy(torch.autograd.Function):
             (logits,) = ctx.saved_tensors
             grad_logits = add_lse_gradient(grad_logits, logits, grad_lse, ctx.softcap)
         return grad_logits, None, None, None, None, None, None
+
+
+class _PerRowCrossEntropy(torch.autograd.Function):
+    """``reduction="none"`` over class indices (module docstring): the forward keeps the logits and O(rows)
+    statistics, the backward writes the gradient once from them."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, options: LossOptions, backend):
+        check_targets_in_bounds(target, logits.shape[1], options.ignore_index)
+        rows, dtype = logits.shape[0], stats_dtype(logits.dtype)
+        loss_rows, lse, row_weight = torch.empty((3, rows), dtype=dtype, device=logits.device).unbind()
+        row_stats = torch.empty((3, rows), dtype=dtype, device=logits.device)
+        get_backend(backend).kernels("cross_entropy").forward(
+            logits, target, weight, loss_rows, lse, row_weight, None, None, options, row_stats=row_stats)
+        ctx.options, ctx.backend = options, backend
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, target, weight, lse, row_stats)
+        return loss_rows, lse
+
+    @staticmethod
+    def backward(ctx, grad, grad_lse):
+        if torch.is_grad_enabled():
+            raise double_backward_error("cross_entropy")
+        if grad is None and grad_lse is None:
+            return None, None, None, None, None
+        logits, target, weight, lse, row_stats = ctx.saved_tensors
+        options, classes = ctx.options, logits.shape[1]
+        grad_rows = grad.reshape(-1).to(lse.dtype) if grad is not None else torch.zeros_like(lse)
+        at_all, at_target, per_class = gradient_coefficients(target_terms(target, weight, classes, options), lse,
+                                                             grad_rows, classes, options)
+        if grad_lse is not None:
+            at_all = at_all + grad_lse.reshape(-1).to(lse.dtype)
+        grad_logits = torch.empty_like(logits)
+        get_backend(ctx.backend).kernels("cross_entropy").gradient(
+            logits, target, weight if options.label_smoothing else None, row_stats[:2],
+            torch.stack((at_all, at_target, per_class)), grad_logits, options)
+        return grad_logits, None, None, None, None
 
 
 # -- torch.library ops for class-probability targets under torch.compile: a forward that returns the loss, the lse
@@ -380,6 +423,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         want_grad = rows_2d.requires_grad and torch.is_grad_enabled()
         loss, lse, _ = cross_entropy_forward_op(rows_2d, flat_target, weight, *options, want_grad, return_lse,
                                                 backend)
+    elif (rows_2d.requires_grad and torch.is_grad_enabled() and options.reduction == "none" and not probabilities
+          and not inplace_backward):
+        loss, lse = _PerRowCrossEntropy.apply(rows_2d, flat_target, weight, options, backend)
     elif rows_2d.requires_grad and torch.is_grad_enabled():
         result = _CrossEntropy.apply(rows_2d, flat_target, weight, options, backend, return_lse, inplace_backward)
         loss, lse = result if return_lse else (result, None)

@@ -9,12 +9,14 @@ without autograd, in-place misuse caught, torch.compile of every option.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import multisoft
-from harness import DEVICE, assert_close, float16_gradient_error_ratio, on_each_backend
+from harness import DEVICE, assert_close, float16_gradient_error_ratio, on_each_backend, simulated
 from multisoft import _registry
 from multisoft.check import DTYPES, reference_cross_entropy
 
@@ -495,3 +497,29 @@ def test_float16_gradient_of_a_mean_keeps_what_a_loss_scale_restores(backend, in
     assert leaf.grad.dtype == torch.float16
     ratio = float16_gradient_error_ratio(leaf.grad, x64.grad, x64)
     assert ratio <= 1.0, f"max error is {ratio:.3g} x the bound"
+
+
+@on_each_backend
+def test_a_per_row_gradient_is_rounded_once(backend):
+    """reduction="none" with a different incoming gradient a row (per-token weights, as RL trainers send): the
+    bfloat16 gradient is the float64 one rounded once, but for the rare element whose float32 computation lands
+    across a rounding boundary. A gradient written in the forward in bfloat16 and then scaled is rounded twice:
+    about a quarter of its elements are then one bfloat16 step off (measured on the CPU's torch backend: 25 %,
+    against 0.01 % rounded once)."""
+    if _registry.get_backend(backend).unavailable_reason(DEVICE, torch.bfloat16) is not None:
+        pytest.skip(f"{backend} does not run bfloat16 here")
+    if backend == "triton" and simulated(backend):
+        pytest.skip("Triton's interpreter converts float32 to bfloat16 by truncation, not to nearest (49.6 % of "
+                    "1024 random values differ, triton 3.9): rounding is checked on a GPU")
+    generator = torch.Generator().manual_seed(zlib.crc32(b"rounded once"))
+    logits = (torch.randn(16, 300, generator=generator) * 3).to(torch.bfloat16)
+    target = torch.randint(0, 300, (16,), generator=generator)
+    incoming = torch.randn(16, generator=generator)
+    leaf = logits.to(DEVICE).requires_grad_()
+    options = dict(reduction="none", softcap=20.0, label_smoothing=0.1)
+    multisoft.cross_entropy(leaf, target.to(DEVICE), backend=backend, **options).backward(incoming.to(DEVICE))
+    logits64 = logits.double().requires_grad_()
+    (expected,) = torch.autograd.grad(reference_cross_entropy(logits64, target, **options), logits64,
+                                      incoming.double())
+    off = (leaf.grad.cpu() != expected.to(torch.bfloat16)).double().mean().item()
+    assert off < 0.01, f"{off:.1%} of the gradient is not the float64 one rounded once to bfloat16"
