@@ -1,8 +1,8 @@
 """Triton backend: the primary GPU kernels of multisoft.
 
-Importing this package imports torch, not triton; the op modules (softmax, cross_entropy, blocksparse) do, on first
-use. Their launch glue is _launch, their shared @triton.jit helpers _device, their choices by shape and dtype
-_tuning.
+Importing this package imports torch, not triton; the op modules (softmax, cross_entropy, blocksparse, log_probs) do,
+on first use. Their launch glue is _launch, their shared @triton.jit helpers _device, their choices by shape and dtype
+_tuning. No OPS: it implements every op.
 """
 import importlib.metadata
 import importlib.util
@@ -12,7 +12,6 @@ import torch
 
 NAME = "triton"
 PRIORITY = 300
-OPS = ("softmax", "cross_entropy", "blocksparse")  # log_probs: not yet
 INSTALL = "pip install 'multisoft[triton]'"
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -3,8 +3,8 @@
 What each setting gained, and what lost against it, is in docs/tuning.md. The op modules read these at every call,
 as attributes of this module, so that a test sets one (monkeypatch) to force a kernel path. Tables keyed by 4 and 2
 are by element size in bytes (float32; float16 and bfloat16). Row lengths are in elements; "(p2)" marks a length
-rounded up to a power of 2. Names that more than one op could claim carry the op's prefix (SOFTMAX_, CE_,
-BLOCKSPARSE_).
+rounded up to a power of 2. Names that more than one op could claim carry the op's prefix (SOFTMAX_, CE_, LP_
+for log_probs, BLOCKSPARSE_).
 """
 
 # -- softmax and log_softmax (softmax.py)
@@ -61,6 +61,24 @@ CE_SCALE_BLOCK = 8192
 # thread 32 elements, eight 16-byte loads of float32 or four of 16-bit values in flight.
 CE_GRADIENT_BLOCK = {4: 4096, 2: 8192}
 CE_GRADIENT_ELEMENTS = {4: 4096, 2: 8192}
+
+# -- log-probabilities and entropy (log_probs.py). Every setting here is chosen from the row length C and the element
+# size only, never from the row count M: a row's statistics and gradient are bitwise the same whatever the batch
+# (backends/README.md). Not yet measured for this op: the values are those cross-entropy measured best with.
+
+# Longest row (p2) whose forward is a tile held in registers; longer rows are streamed by a program each, once
+# (CE_TILE_MAX's value; docs/tuning.md).
+LP_TILE_MAX = 8192
+# Elements of one forward tile program: shorter rows share a program, LP_TILE_ELEMENTS // C (p2) of them
+# (CE_TILE_ELEMENTS' value; docs/tuning.md).
+LP_TILE_ELEMENTS = 8192
+# (columns loaded at once, num_warps) of a streamed row's forward program (CE_LOOP_CONFIGS' values; docs/tuning.md).
+LP_LOOP_CONFIGS = {4: (16384, 8), 2: (8192, 4)}
+# The backward's tiles of rows x columns, by element size: most columns of one tile, and its elements (shorter rows
+# share a tile); warps_for gives each thread 32 elements (CE_GRADIENT_BLOCK's and CE_GRADIENT_ELEMENTS' values;
+# docs/tuning.md).
+LP_BACKWARD_BLOCK = {4: 4096, 2: 8192}
+LP_BACKWARD_ELEMENTS = {4: 4096, 2: 8192}
 
 # -- block-sparse softmax (blocksparse.py)
 
