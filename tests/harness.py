@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import multisoft
+from multisoft import LossOptions
 from multisoft.check import TOLERANCES, error_ratio, reference_cross_entropy
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -102,10 +103,11 @@ class CrossEntropyRows(NamedTuple):
     magnitude: torch.Tensor
 
 
-def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_index=-100, label_smoothing=0.0,
-                           softcap=0.0, lse_square_scale=0.0) -> CrossEntropyRows:
+def cross_entropy_contract(logits, target, weight=None, grad_scale=None,
+                           options: LossOptions = LossOptions()) -> CrossEntropyRows:
     """The tests' one float64 oracle of the backends' cross_entropy ``forward`` (backends/README.md), row by row,
-    on the logits' device: (loss, lse, row_weight, grad, magnitude).
+    on the logits' device: (loss, lse, row_weight, grad, magnitude), under ``options``, the record the kernel
+    takes (its ``reduction`` plays no part: the kernels write per-row values).
 
     A row whose target is in [0, C): loss and lse are ``multisoft.check.reference_cross_entropy`` (reduction
     "none", the capped logits, the z-loss), grad is ``grad_scale[i]`` (1 without) times torch's float64 gradient
@@ -114,6 +116,8 @@ def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_
     every row's logsumexp of the capped logits. magnitude is the size of the gradient's terms,
     ``|grad_scale| |du/dx| (p_j |(1 - eps) w[t] + eps / C W + 2 s lse| + (1 - eps) w[t] [j == t] + eps / C w_j)``,
     the bound ``assert_close`` takes for a difference of terms."""
+    ignore_index, label_smoothing = options.ignore_index, options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     x = logits.detach().double()
     rows, classes = x.shape
     target = target.to(x.device).long()
@@ -123,10 +127,11 @@ def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_
     ignored = target == ignore_index
     valid = ~ignored & (target >= 0) & (target < classes)
     nan = float("nan")
-    options = dict(weight=weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
-                   softcap=softcap or None, lse_square_scale=lse_square_scale)
+    reference_options = dict(weight=weight, ignore_index=ignore_index, reduction="none",
+                             label_smoothing=label_smoothing, softcap=softcap or None,
+                             lse_square_scale=lse_square_scale)
     x_valid = x[valid].requires_grad_()
-    loss_valid = reference_cross_entropy(x_valid, target[valid], **options)
+    loss_valid = reference_cross_entropy(x_valid, target[valid], **reference_options)
     loss = torch.full((rows,), nan, dtype=torch.float64, device=x.device)
     loss[ignored] = 0.0
     loss[valid] = loss_valid.detach()
