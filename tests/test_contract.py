@@ -20,7 +20,8 @@ import sys
 import pytest
 import torch
 
-from harness import DEVICE, assert_close, cross_entropy_contract, on_each_backend, simulated
+from harness import (DEVICE, assert_close, assert_row_stats, cross_entropy_contract, on_each_backend,
+                     row_stats_contract, simulated)
 from multisoft import LossOptions
 from multisoft._blocksparse import lookup_table
 from multisoft._registry import get_backend
@@ -572,19 +573,6 @@ def _capped64(x, softcap):
     return softcap * torch.tanh(x / softcap) if softcap else x
 
 
-def _expected_row_stats(logits, weight, options):
-    """(m, S, sum_j w_j u_j) of every row in float64 (the last 0 without label smoothing); S is 0 where m is -inf
-    (a row of -inf: nothing to add to the other slices' sums)."""
-    u = _capped64(logits.double(), options.softcap)
-    m = u.max(1).values
-    shift = torch.where(m == -INF, 0.0, m)
-    total = torch.exp(u - shift[:, None]).sum(1)
-    w = torch.ones(u.shape[1], dtype=torch.float64, device=u.device) if weight is None else weight.double()
-    weighted = (w * u).sum(1) if options.label_smoothing else torch.zeros_like(m)
-    magnitude = (w * u).abs().sum(1) if options.label_smoothing else torch.zeros_like(m)
-    return m, total, weighted, magnitude
-
-
 # case of CROSS_ENTROPY_CASES, gradient (None, "separate", "in-place")
 ROW_STATS_CASES = {
     "plain": ("plain", None),
@@ -616,10 +604,7 @@ def test_cross_entropy_row_stats(backend, dtype, case):
     for name, value, plain in zip(("loss", "lse", "row_weight", "grad_logits"), outputs, without):
         if value is not None:
             assert torch.equal(_bits(value), _bits(plain)), f"{name} differs from the call without row_stats"
-    m, total, weighted, magnitude = _expected_row_stats(logits, weight, options)
-    assert_close(row_stats[0], m, torch.float32, "m")
-    assert_close(row_stats[1], total, torch.float32, "S")
-    assert_close(row_stats[2], weighted, torch.float32, "sum w * u", magnitude)
+    assert_row_stats(row_stats, row_stats_contract(logits, weight, options), "row_stats")
 
 
 @on_each_backend
@@ -631,10 +616,7 @@ def test_cross_entropy_row_stats_of_a_row_of_minus_infinity(backend):
     logits[2, ::3] = -INF
     *_, row_stats = _cross_entropy_forward(backend, logits, target, weight, options, with_row_stats=True)
     assert row_stats[0, 1] == -INF and row_stats[1, 1] == 0, row_stats[:, 1]
-    m, total, weighted, _ = _expected_row_stats(logits, weight, options)
-    assert_close(row_stats[0], m, torch.float32, "m")
-    assert_close(row_stats[1], total, torch.float32, "S")
-    assert torch.equal(row_stats[2], weighted.float()), "sum w * u is 0 without label smoothing"
+    assert_row_stats(row_stats, row_stats_contract(logits, weight, options), "row_stats")
 
 
 def _slice_inputs(dtype, rows, classes, weighted, softcap, first=3, wider=11):
