@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import multisoft
+from multisoft import LossOptions
 from multisoft.check import TOLERANCES, error_ratio, reference_cross_entropy
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -102,10 +103,11 @@ class CrossEntropyRows(NamedTuple):
     magnitude: torch.Tensor
 
 
-def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_index=-100, label_smoothing=0.0,
-                           softcap=0.0, lse_square_scale=0.0) -> CrossEntropyRows:
+def cross_entropy_contract(logits, target, weight=None, grad_scale=None,
+                           options: LossOptions = LossOptions()) -> CrossEntropyRows:
     """The tests' one float64 oracle of the backends' cross_entropy ``forward`` (backends/README.md), row by row,
-    on the logits' device: (loss, lse, row_weight, grad, magnitude).
+    on the logits' device: (loss, lse, row_weight, grad, magnitude), under ``options``, the record the kernel
+    takes (its ``reduction`` plays no part: the kernels write per-row values).
 
     A row whose target is in [0, C): loss and lse are ``multisoft.check.reference_cross_entropy`` (reduction
     "none", the capped logits, the z-loss), grad is ``grad_scale[i]`` (1 without) times torch's float64 gradient
@@ -114,6 +116,8 @@ def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_
     every row's logsumexp of the capped logits. magnitude is the size of the gradient's terms,
     ``|grad_scale| |du/dx| (p_j |(1 - eps) w[t] + eps / C W + 2 s lse| + (1 - eps) w[t] [j == t] + eps / C w_j)``,
     the bound ``assert_close`` takes for a difference of terms."""
+    ignore_index, label_smoothing = options.ignore_index, options.label_smoothing
+    softcap, lse_square_scale = options.softcap, options.lse_square_scale
     x = logits.detach().double()
     rows, classes = x.shape
     target = target.to(x.device).long()
@@ -123,10 +127,11 @@ def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_
     ignored = target == ignore_index
     valid = ~ignored & (target >= 0) & (target < classes)
     nan = float("nan")
-    options = dict(weight=weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing,
-                   softcap=softcap or None, lse_square_scale=lse_square_scale)
+    reference_options = dict(weight=weight, ignore_index=ignore_index, reduction="none",
+                             label_smoothing=label_smoothing, softcap=softcap or None,
+                             lse_square_scale=lse_square_scale)
     x_valid = x[valid].requires_grad_()
-    loss_valid = reference_cross_entropy(x_valid, target[valid], **options)
+    loss_valid = reference_cross_entropy(x_valid, target[valid], **reference_options)
     loss = torch.full((rows,), nan, dtype=torch.float64, device=x.device)
     loss[ignored] = 0.0
     loss[valid] = loss_valid.detach()
@@ -145,3 +150,54 @@ def cross_entropy_contract(logits, target, weight=None, grad_scale=None, ignore_
     terms = torch.softmax(u, 1) * coefficient.abs()[:, None] + (1 - eps) * w_t[:, None] * is_target + eps / classes * w
     du_dx = 1 - (u / softcap) ** 2 if softcap else torch.ones_like(u)
     return CrossEntropyRows(loss, lse, row_weight, grad, scale.abs()[:, None] * terms * du_dx.abs())
+
+
+class RowStats(NamedTuple):
+    """What a backend's cross_entropy ``forward`` writes into ``row_stats``, in float64 (see ``row_stats_contract``)."""
+    m: torch.Tensor
+    total: torch.Tensor
+    weighted_sum: torch.Tensor
+    weighted_sum_magnitude: torch.Tensor
+    summed: bool
+
+
+def row_stats_contract(logits, weight=None, options: LossOptions = LossOptions()) -> RowStats:
+    """The tests' one float64 oracle of ``forward``'s ``row_stats`` (backends/README.md), computed from the inputs
+    alone, on the logits' device, for every row whatever its target: (m, S, sum_j w_j u_j, the size of that sum's
+    terms, whether the kernel sums it).
+
+    u is the capped logits (``options.softcap``), m each row's max of u, S = sum_j exp(u_j - m), 0 for a row of
+    -inf (m = -inf: nothing to add where the front combines the slices' statistics), NaN for a row holding a NaN.
+    sum_j w_j u_j (w the weight or ones) only under label smoothing; without, the contract's 0 (``summed``
+    False). ``weighted_sum_magnitude`` is sum_j |w_j u_j|, the bound ``assert_row_stats`` takes for that sum."""
+    x = logits.detach().double()
+    softcap = options.softcap
+    u = softcap * torch.tanh(x / softcap) if softcap else x
+    m = u.max(1).values
+    total = torch.exp(u - torch.where(m == -float("inf"), 0.0, m)[:, None]).sum(1)
+    w = torch.ones(u.shape[1], dtype=torch.float64, device=u.device) if weight is None else weight.to(u)
+    summed = options.label_smoothing != 0.0
+    weighted = (w * u).sum(1) if summed else torch.zeros_like(m)
+    magnitude = (w * u).abs().sum(1) if summed else torch.zeros_like(m)
+    return RowStats(m, total, weighted, magnitude, summed)
+
+
+def assert_row_stats(row_stats: torch.Tensor, expected: RowStats, what: str) -> None:
+    """The one bound of ``row_stats`` (3, M) against ``row_stats_contract``, at float32's tolerances (the
+    statistics are float32 whatever the logits' dtype):
+
+    - m within the tolerance of |m|: it is one of the capped logits (exact without a cap, tanh's rounding with);
+    - S within the tolerance of S: a sum of positive terms, so float32 accumulation keeps a relative error;
+    - sum_j w_j u_j, under label smoothing, within the tolerance of sum_j |w_j u_j|: its terms have either sign, and
+      float arithmetic promises a relative error of the terms, not of what is left after they cancel; without
+      label smoothing exactly 0, as the contract says (nothing is summed, so nothing may be off).
+
+    Equal infinities and NaNs match (``assert_close``)."""
+    assert_close(row_stats[0], expected.m, torch.float32, f"{what}: m")
+    assert_close(row_stats[1], expected.total, torch.float32, f"{what}: S")
+    if expected.summed:
+        assert_close(row_stats[2], expected.weighted_sum, torch.float32, f"{what}: sum w * u",
+                     expected.weighted_sum_magnitude)
+    else:
+        zeros = torch.zeros_like(row_stats[2])
+        assert torch.equal(row_stats[2], zeros), f"{what}: sum w * u is 0 without label smoothing: {row_stats[2]}"

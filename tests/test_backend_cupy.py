@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import multisoft_cupy
-from harness import assert_close, cross_entropy_contract
+from harness import assert_close, assert_row_stats, cross_entropy_contract, row_stats_contract
+from multisoft import LossOptions
 from multisoft._blocksparse import lookup_table  # (the front's look-up table: torch only, no backend)
 from multisoft.check import (
     reference_blocksparse, reference_blocksparse_backward, reference_slice_gradient, reference_softmax,
@@ -188,18 +189,19 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch):
     target = torch.zeros(4, dtype=torch.int64)
     w = torch.ones(300)
     stats = (torch.empty(4), torch.empty(4), torch.empty(4))
-    cross_entropy.forward(x, target, w, *stats, None, None, -100, 0.1, 0.0, 0.0)
+    smoothed = LossOptions(ignore_index=-100, label_smoothing=0.1, softcap=0.0, lse_square_scale=0.0)
+    cross_entropy.forward(x, target, w, *stats, None, None, smoothed)
     narrow = x[:, :100].contiguous()  # a warp a row
-    cross_entropy.forward(narrow, target.int(), None, *stats, narrow, torch.ones(1).expand(4), -100, 0.0, 30.0, 1e-4)
+    cross_entropy.forward(narrow, target.int(), None, *stats, narrow, torch.ones(1).expand(4),
+                          LossOptions(ignore_index=-100, label_smoothing=0.0, softcap=30.0, lse_square_scale=1e-4))
     cross_entropy.scale(x, torch.ones(1))
     cross_entropy.scale(x, torch.ones(4))
-    cross_entropy.forward(narrow, target, w[:100], *stats, None, None, -100, 0.1, 0.0, 0.0,
-                          row_stats=torch.empty(3, 4))
-    cross_entropy.gradient(x, target, w, torch.ones(2, 4), torch.ones(3, 4), x, 0.0)
+    cross_entropy.forward(narrow, target, w[:100], *stats, None, None, smoothed, row_stats=torch.empty(3, 4))
+    cross_entropy.gradient(x, target, w, torch.ones(2, 4), torch.ones(3, 4), x, LossOptions(softcap=0.0))
     cross_entropy.gradient(narrow, target.int(), None, torch.ones(2, 4), torch.ones(3, 4), torch.empty_like(narrow),
-                           2.0)
+                           LossOptions(softcap=2.0))
     monkeypatch.setattr(_tuning, "ce_fwd_config", lambda *args: _tuning.CE_FWD_CLUSTERS[0])
-    cross_entropy.forward(x, target, w, *stats, torch.empty_like(x), torch.ones(4), -100, 0.1, 1e39, 0.0)
+    cross_entropy.forward(x, target, w, *stats, torch.empty_like(x), torch.ones(4), smoothed._replace(softcap=1e39))
     layout = torch.ones(1, 2, 2, dtype=torch.long)
     lut = lookup_table(layout, 16, "cpu")
     storage = torch.randn(lut.nnz * 256 + 1)
@@ -522,8 +524,8 @@ def test_non_default_stream_interleaved_with_torch_work():
         lse = torch.empty(2048, device=_device())
         grad = torch.empty_like(x)
         ones = torch.ones(1, device=_device())
-        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), grad, ones.expand(2048), -100, 0.0,
-                              0.0, 0.0)
+        cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), grad, ones.expand(2048),
+                              LossOptions(ignore_index=-100, label_smoothing=0.0, softcap=0.0, lse_square_scale=0.0))
         cross_entropy.scale(grad, ones * 3)  # the factor torch computes on that stream
         total = loss.sum()
     torch.cuda.current_stream().wait_stream(side)
@@ -567,7 +569,7 @@ def test_second_device():
         loss, lse = torch.empty(64, device=dev), torch.empty(64, device=dev)
         grad = torch.empty_like(x)
         cross_entropy.forward(x, target, None, loss, lse, torch.empty_like(lse), grad, torch.ones(64, device=dev),
-                              -100, 0.0, 0.0, 0.0)
+                              LossOptions(ignore_index=-100, label_smoothing=0.0, softcap=0.0, lse_square_scale=0.0))
         cross_entropy.scale(grad, torch.full((1,), 0.5, device=dev))
     expected_loss, _, _, expected_grad, _ = cross_entropy_contract(x, target, grad_scale=torch.full((64,), 0.5))
     assert_close(y, reference_softmax(x, -1, False), torch.float32, "cuda:1 softmax")
@@ -737,12 +739,17 @@ def cross_entropy_inputs(rows, classes, dtype, target_dtype=torch.int64, unalign
     return logits, target.to(target_dtype).to(_device())
 
 
-def cross_entropy_call(cross_entropy, logits, target, weight, options, grad_scale, grad):
-    """(loss, lse, row_weight) from the backend's forward, each prefilled with NaN."""
+def loss_options(options) -> LossOptions:
+    """The kernels' ``options`` record of a CE_OPTIONS entry (ignore_index -100)."""
     _, eps, softcap, lse_square_scale, _ = options
+    return LossOptions(ignore_index=-100, label_smoothing=eps, softcap=softcap, lse_square_scale=lse_square_scale)
+
+
+def cross_entropy_call(cross_entropy, logits, target, weight, options, grad_scale, grad):
+    """(loss, lse, row_weight) from the backend's forward under ``options`` (a LossOptions), each prefilled with
+    NaN."""
     stats = torch.full((3, logits.shape[0]), float("nan"), device=_device())
-    cross_entropy.forward(logits, target, weight, stats[0], stats[1], stats[2], grad, grad_scale, -100, eps, softcap,
-                          lse_square_scale)
+    cross_entropy.forward(logits, target, weight, stats[0], stats[1], stats[2], grad, grad_scale, options)
     return stats
 
 
@@ -750,7 +757,7 @@ def check_cross_entropy(cross_entropy, logits, target, options, what):
     """The forward with a gradient (into a buffer with a sentinel row after it) and without, against the float64
     reference: loss and lse at float32's tolerance, row weights exact, the gradient at the logits' dtype's."""
     rows, classes = logits.shape
-    weighted, eps, softcap, lse_square_scale, broadcast = options
+    weighted, broadcast = options[0], options[4]
     g = torch.Generator().manual_seed(classes)
     weight = torch.rand(classes, generator=g).to(_device()) if weighted else None
     if broadcast:  # a stride-0 view of one value, as the front passes a mean's 1 / denominator
@@ -758,12 +765,12 @@ def check_cross_entropy(cross_entropy, logits, target, options, what):
         assert grad_scale.stride(0) == 0
     else:
         grad_scale = (torch.rand(rows, generator=g) + 0.5).to(_device())
-    loss, lse, row_weight, grad, _ = cross_entropy_contract(logits, target, weight, grad_scale, -100, eps, softcap,
-                                                            lse_square_scale)
+    loss, lse, row_weight, grad, _ = cross_entropy_contract(logits, target, weight, grad_scale,
+                                                            loss_options(options))
     row_weight = row_weight.nan_to_num(0.0)  # the contract leaves an invalid target's open: this backend writes 0
     storage = torch.full((rows + 1, classes), 7.0, device=_device()).to(logits.dtype)
     for out, scale in ((storage[:rows], grad_scale), (None, None)):
-        stats = cross_entropy_call(cross_entropy, logits, target, weight, options, scale, out)
+        stats = cross_entropy_call(cross_entropy, logits, target, weight, loss_options(options), scale, out)
         label = f"{what} options={options} gradient={out is not None}"
         assert_close(stats[0], loss, torch.float32, f"loss {label}")
         assert_close(stats[1], lse, torch.float32, f"lse {label}")
@@ -810,12 +817,13 @@ def test_cross_entropy_in_place_equals_a_separate_gradient(cfg, dtype, monkeypat
         weight = torch.rand(classes, device=_device()) if options[0] else None
         grad_scale = torch.rand(9, device=_device()) + 0.5
         separate = torch.empty_like(logits)
-        stats = cross_entropy_call(cross_entropy, logits, target, weight, options, grad_scale, separate)
+        stats = cross_entropy_call(cross_entropy, logits, target, weight, loss_options(options), grad_scale, separate)
         in_place = logits.clone()
-        in_place_stats = cross_entropy_call(cross_entropy, in_place, target, weight, options, grad_scale, in_place)
+        in_place_stats = cross_entropy_call(cross_entropy, in_place, target, weight, loss_options(options), grad_scale,
+                                            in_place)
         torch.testing.assert_close(in_place, separate, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(in_place_stats, stats, rtol=0, atol=0, equal_nan=True)
-        assert_close(separate, cross_entropy_contract(logits, target, weight, grad_scale, -100, *options[1:4]).grad,
+        assert_close(separate, cross_entropy_contract(logits, target, weight, grad_scale, loss_options(options)).grad,
                      dtype, f"gradient {classes} classes options={options}")
 
 
@@ -916,7 +924,7 @@ def test_cross_entropy_gradient_of_a_slice_on_long_rows(dtype):
                                                                                      device=_device())
         grad_storage = torch.full((rows + 1, classes), 7.0, device=_device(), dtype=dtype)
         grad = logits if in_place else grad_storage[:rows]
-        cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
+        cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, LossOptions(softcap=softcap))
         torch.cuda.synchronize()
         label = f"{classes} classes unaligned={unaligned} softcap={softcap} in_place={in_place}"
         expected, magnitude = reference_slice_gradient(original, target, weight, row_max_sum, coefficients, softcap)
@@ -940,25 +948,19 @@ def test_cross_entropy_row_stats_on_every_path(cfg, dtype, monkeypatch):
     _cross_entropy_path(cfg, monkeypatch)
     capacity = cfg.capacity(dtype.itemsize)
     for classes, options in itertools.product((37, 3 * capacity + 5), CE_OPTIONS[:2] + CE_OPTIONS[4:]):
-        weighted, eps, softcap, lse_square_scale, _ = options
+        weighted = options[0]
         logits, target = cross_entropy_inputs(9, classes, dtype, seed=classes)
         weight = torch.rand(classes, device=_device()) + 0.5 if weighted else None
         grad_scale = torch.rand(9, device=_device()) + 0.5
         plain_grad, stats_grad = torch.empty_like(logits), torch.empty_like(logits)
-        plain = cross_entropy_call(cross_entropy, logits, target, weight, options, grad_scale, plain_grad)
+        plain = cross_entropy_call(cross_entropy, logits, target, weight, loss_options(options), grad_scale,
+                                   plain_grad)
         row_stats = torch.full((3, 9), 12345.0, device=_device())
         with_stats = torch.full((3, 9), float("nan"), device=_device())
-        cross_entropy.forward(logits, target, weight, *with_stats, stats_grad, grad_scale, -100, eps, softcap,
-                              lse_square_scale, row_stats=row_stats)
+        cross_entropy.forward(logits, target, weight, *with_stats, stats_grad, grad_scale, loss_options(options),
+                              row_stats=row_stats)
         label = f"{classes} classes options={options}"
         torch.testing.assert_close(with_stats, plain, rtol=0, atol=0, equal_nan=True, msg=label)
         torch.testing.assert_close(stats_grad, plain_grad, rtol=0, atol=0, equal_nan=True, msg=label)
-        u = logits.double()
-        u = softcap * torch.tanh(u / softcap) if softcap else u
-        m = u.max(1).values
-        w = torch.ones(classes, dtype=torch.float64, device=_device()) if weight is None else weight.double()
-        weighted_sum = (w * u).sum(1) if eps else torch.zeros_like(m)
-        assert_close(row_stats[0], m, torch.float32, f"m {label}")
-        assert_close(row_stats[1], torch.exp(u - m[:, None]).sum(1), torch.float32, f"S {label}")
-        assert_close(row_stats[2], weighted_sum, torch.float32, f"sum w u {label}", (w * u).abs().sum(1))
+        assert_row_stats(row_stats, row_stats_contract(logits, weight, loss_options(options)), label)
         assert torch.isnan(row_stats[:2, CE_NAN_ROW]).all(), label

@@ -18,6 +18,7 @@ import torch
 
 import multisoft_numba
 from harness import DEVICE, ON_GPU, assert_close
+from multisoft import LossOptions
 from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_softmax,
                              reference_softmax_backward, softmax_backward_magnitude)
 
@@ -234,8 +235,9 @@ def test_launches_on_the_current_non_default_stream():
             target = torch.randint(0, 32000, (512,), device=DEVICE)
             logits = (a @ a).view(512, -1)[:, :32000].contiguous() * 1e-3
             loss, lse = torch.empty(512, device=DEVICE), torch.empty(512, device=DEVICE)
-            cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), None, None, -100, 0.0, 0.0,
-                                  0.0)
+            cross_entropy.forward(logits, target, None, loss, lse, torch.empty_like(lse), None, None,
+                                  LossOptions(ignore_index=-100, label_smoothing=0.0, softcap=0.0,
+                                              lse_square_scale=0.0))
             loss_expected = torch.nn.functional.cross_entropy(logits.double(), target, reduction="none")
             side.synchronize()
             assert_close(out, expected, torch.float32, "softmax on a side stream")

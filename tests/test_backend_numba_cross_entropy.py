@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import multisoft_numba
-from harness import DEVICE, ON_GPU, assert_close, cross_entropy_contract
+from harness import DEVICE, ON_GPU, assert_close, assert_row_stats, cross_entropy_contract, row_stats_contract
+from multisoft import LossOptions
 from multisoft.check import reference_slice_gradient
 
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
@@ -20,12 +21,12 @@ pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not (ON_GPU or multisoft_
 
 DTYPES = [torch.float32, torch.bfloat16]
 PATHS = ["cached", "looping"]
-# (classes, unaligned data, options): rows read in vectors, one element at a time (odd row length; data one element
-# past an aligned address), and every option at once.
+# (classes, unaligned data, weighted, options): rows read in vectors, one element at a time (odd row length; data
+# one element past an aligned address), and every option at once.
 CASES = {
-    "plain": (40, True, dict(label_smoothing=0.0, softcap=0.0, lse_square_scale=0.0, weighted=False)),
-    "weight_smoothing": (37, False, dict(label_smoothing=0.1, softcap=0.0, lse_square_scale=0.0, weighted=True)),
-    "everything": (40, False, dict(label_smoothing=0.2, softcap=3.0, lse_square_scale=1e-2, weighted=True)),
+    "plain": (40, True, False, LossOptions(label_smoothing=0.0, softcap=0.0, lse_square_scale=0.0)),
+    "weight_smoothing": (37, False, True, LossOptions(label_smoothing=0.1, softcap=0.0, lse_square_scale=0.0)),
+    "everything": (40, False, True, LossOptions(label_smoothing=0.2, softcap=3.0, lse_square_scale=1e-2)),
 }
 
 
@@ -51,11 +52,11 @@ def _force_path(monkeypatch, path):
         monkeypatch.setattr(_tuning, "CE_UNROLL", 4)
 
 
-def _run(logits, target, weight, grad_logits, grad_scale, options, ignore_index=-100):
+def _run(logits, target, weight, grad_logits, grad_scale, options):
+    """The numba forward under ``options`` (a LossOptions) into fresh per-row outputs: (loss, lse, row_weight)."""
     from multisoft_numba import cross_entropy
     loss, lse, row_weight = _outputs(logits.shape[0])
-    cross_entropy.forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, ignore_index,
-                          options["label_smoothing"], options["softcap"], options["lse_square_scale"])
+    cross_entropy.forward(logits, target, weight, loss, lse, row_weight, grad_logits, grad_scale, options)
     return loss, lse, row_weight
 
 
@@ -77,9 +78,8 @@ def test_forward_and_gradient_agree_with_the_contract(dtype, path, case, monkeyp
     """Loss, lse, row weight and the gradient, with a grad_scale per row and one broadcast to every row."""
     from multisoft_numba._launch import vector_views
     _force_path(monkeypatch, path)
-    classes, unaligned, options = CASES[case]
-    options = dict(options)
-    logits, target, weight = _inputs(classes, unaligned, options.pop("weighted"), dtype)
+    classes, unaligned, weighted, options = CASES[case]
+    logits, target, weight = _inputs(classes, unaligned, weighted, dtype)
     width = vector_views((logits,))[1]
     assert (width == 1) == (unaligned or classes % 2 == 1), width
     rows = logits.shape[0]
@@ -87,19 +87,18 @@ def test_forward_and_gradient_agree_with_the_contract(dtype, path, case, monkeyp
     for grad_scale in (torch.rand(rows, device=DEVICE) + 0.5, torch.full((1,), 0.25, device=DEVICE).expand(rows)):
         grad = torch.full_like(logits, 7.0)
         got = _run(logits, target, weight, grad, grad_scale, options)
-        expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, **options)
+        expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
         _assert_agrees((*got, grad), expected, dtype, f"{case} {path} grad_scale stride {grad_scale.stride(0)}")
         assert torch.equal(logits, before), "the logits changed"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_without_a_gradient_the_forward_only_reads(dtype):
-    classes, _, options = CASES["everything"]
-    options = {k: v for k, v in options.items() if k != "weighted"}
+    classes, _, _, options = CASES["everything"]
     logits, target, weight = _inputs(classes, False, True, dtype)
     before = logits.clone()
     got = _run(logits, target, weight, None, None, options)
-    expected = cross_entropy_contract(logits, target, weight, None, -100, **options)
+    expected = cross_entropy_contract(logits, target, weight, None, options)
     _assert_agrees((*got, None), expected, dtype, "no gradient")
     assert torch.equal(_bits_view(logits), _bits_view(before)), "the logits changed"
 
@@ -110,12 +109,11 @@ def test_in_place_gradient_equals_the_gradient_into_a_new_buffer(dtype, path, mo
     """grad_logits is logits: every element of a row is read before any of it is written, so the result is the
     out-of-place gradient, bit for bit (int32 targets here)."""
     _force_path(monkeypatch, path)
-    classes, _, options = CASES["everything"]
-    options = {k: v for k, v in options.items() if k != "weighted"}
+    classes, _, _, options = CASES["everything"]
     logits, target, weight = _inputs(classes, False, True, dtype)
     target = target.int()
     grad_scale = torch.rand(logits.shape[0], device=DEVICE) + 0.5
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, **options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
     out_of_place = torch.empty_like(logits)
     stats = _run(logits, target, weight, out_of_place, grad_scale, options)
     in_place = logits.clone()
@@ -140,9 +138,8 @@ def test_invalid_targets_give_nan_and_stay_in_bounds(dtype, path, monkeypatch):
     grad_buffer = torch.full_like(buffer, 7.0)
     grad = grad_buffer[1:-1]
     target = torch.tensor([3, classes, -1, 5, 2**40, -(2**40), 2], device=DEVICE)   # ignore_index 2
-    options = dict(label_smoothing=0.1, softcap=0.0, lse_square_scale=1e-2)
-    loss, lse, row_weight = _run(logits, target, None, grad, torch.ones(rows, device=DEVICE), options,
-                                 ignore_index=2)
+    options = LossOptions(ignore_index=2, label_smoothing=0.1, softcap=0.0, lse_square_scale=1e-2)
+    loss, lse, row_weight = _run(logits, target, None, grad, torch.ones(rows, device=DEVICE), options)
     assert torch.isfinite(loss[[0, 3]]).all() and loss[6] == 0
     assert torch.isnan(loss[[1, 2, 4, 5]]).all()
     assert torch.isnan(grad[[1, 2, 4, 5]]).all() and (grad[6] == 0).all()
@@ -220,15 +217,14 @@ def test_vocabulary_sized_rows_on_the_gpu(dtype, classes):
     """Rows of a language model's vocabulary with every option: the gradient into a new buffer and in place (bit
     for bit the same), no gradient, then scale by one (untouched) and by a factor a row."""
     from multisoft_numba import cross_entropy
-    _, _, options = CASES["everything"]
-    options = {k: v for k, v in options.items() if k != "weighted"}
+    _, _, _, options = CASES["everything"]
     rows = 16
     logits = (torch.randn(rows, classes, device=DEVICE) * 4).to(dtype)
     target = torch.randint(0, classes, (rows,), device=DEVICE)
     target[1] = -100
     weight = torch.rand(classes, device=DEVICE) + 0.5
     grad_scale = torch.rand(rows, device=DEVICE) + 0.5
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, **options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
     grad = torch.empty_like(logits)
     stats = _run(logits, target, weight, grad, grad_scale, options)
     _assert_agrees((*stats, grad), expected, dtype, f"{classes} classes")
@@ -257,9 +253,8 @@ def test_row_stats_on_each_path(dtype, path, case, monkeypatch):
     gradient bit for bit as without row_stats."""
     from multisoft_numba import cross_entropy
     _force_path(monkeypatch, path)
-    classes, unaligned, options = CASES[case]
-    options = dict(options)
-    logits, target, weight = _inputs(classes, unaligned, options.pop("weighted"), dtype)
+    classes, unaligned, weighted, options = CASES[case]
+    logits, target, weight = _inputs(classes, unaligned, weighted, dtype)
     logits[4, 2] = float("nan")
     rows = logits.shape[0]
     grad_scale = torch.rand(rows, device=DEVICE) + 0.5
@@ -270,20 +265,12 @@ def test_row_stats_on_each_path(dtype, path, case, monkeypatch):
         outputs = _outputs(rows)
         row_stats = torch.full((3, rows), 12345.0, device=DEVICE)
         cross_entropy.forward(logits, target, weight, *outputs, stats_grad if with_grad else None,
-                              grad_scale if with_grad else None, -100, options["label_smoothing"], options["softcap"],
-                              options["lse_square_scale"], row_stats=row_stats)
+                              grad_scale if with_grad else None, options, row_stats=row_stats)
         for name, value, expected in zip(("loss", "lse", "row_weight"), outputs, plain):
             torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=name)
         torch.testing.assert_close(stats_grad, plain_grad, rtol=0, atol=0, equal_nan=True)
-        u = logits.double()
-        u = options["softcap"] * torch.tanh(u / options["softcap"]) if options["softcap"] else u
-        m = u.max(1).values
-        w = torch.ones(classes, dtype=torch.float64, device=DEVICE) if weight is None else weight.double()
-        smoothing = options["label_smoothing"]
-        assert_close(row_stats[0], m, torch.float32, "m")
-        assert_close(row_stats[1], torch.exp(u - m[:, None]).sum(1), torch.float32, "S")
-        assert_close(row_stats[2], (w * u).sum(1) if smoothing else torch.zeros_like(m), torch.float32, "sum w u",
-                     (w * u).abs().sum(1))
+        assert_row_stats(row_stats, row_stats_contract(logits, weight, options),
+                         f"row_stats, {path}, gradient {with_grad}")
         assert torch.isnan(row_stats[:2, 4]).all()
 
 
@@ -296,8 +283,8 @@ def test_gradient_of_a_slice_over_several_blocks(dtype, case, monkeypatch):
     from multisoft_numba import _tuning, cross_entropy
     monkeypatch.setattr(_tuning, "CE_GRADIENT_UNROLL", 4)
     monkeypatch.setattr(_tuning, "CE_GRADIENT_THREADS", 4)
-    classes, unaligned, options = CASES[case]
-    softcap, weighted = options["softcap"], options["weighted"]
+    classes, unaligned, weighted, options = CASES[case]
+    softcap = options.softcap
     rows = 5
     wide = (torch.randn(rows, classes + 20, device=DEVICE, dtype=torch.float64) * 3).to(dtype).double()
     wide[:, -1] += 5.0
@@ -312,7 +299,7 @@ def test_gradient_of_a_slice_over_several_blocks(dtype, case, monkeypatch):
         logits.copy_(wide[:, 5:5 + classes])
         original = logits.clone()
         grad = logits if in_place else torch.full_like(logits, 7.0)
-        cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
+        cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, LossOptions(softcap=softcap))
         expected, magnitude = reference_slice_gradient(original, target, weight, row_max_sum, coefficients, softcap)
         assert_close(grad, expected, dtype, f"gradient in_place={in_place}", magnitude)
         if not in_place:

@@ -6,7 +6,8 @@ tolerances by tests/harness.py's assert_close."""
 import pytest
 import torch
 
-from harness import DEVICE, assert_close, cross_entropy_contract
+from harness import DEVICE, assert_close, assert_row_stats, cross_entropy_contract, row_stats_contract
+from multisoft import LossOptions
 from multisoft.check import (reference_blocksparse, reference_blocksparse_backward, reference_slice_gradient,
                              reference_softmax, reference_softmax_backward, softmax_backward_magnitude)
 
@@ -41,14 +42,13 @@ def test_cpu_needs_the_interpreter(monkeypatch):
     assert multisoft_triton.unavailable_reason(torch.device("cpu"), torch.float64) is not None
 
 
-def _run_cross_entropy(logits, target, weight, grad_logits, grad_scale, ignore_index=-100, smoothing=0.0,
-                       softcap=0.0, lse_square_scale=0.0):
-    """The triton forward with every per-row output filled with a sentinel first; returns (loss, lse, row_weight)."""
+def _run_cross_entropy(logits, target, weight, grad_logits, grad_scale, options=LossOptions()):
+    """The triton forward under ``options`` (a LossOptions) with every per-row output filled with a sentinel
+    first; returns (loss, lse, row_weight)."""
     from multisoft_triton import cross_entropy
 
     stats = torch.full((3, logits.shape[0]), 12345.0, device=logits.device)
-    cross_entropy.forward(logits, target, weight, *stats, grad_logits, grad_scale, ignore_index, smoothing, softcap,
-                          lse_square_scale)
+    cross_entropy.forward(logits, target, weight, *stats, grad_logits, grad_scale, options)
     return stats
 
 
@@ -103,10 +103,10 @@ def test_cross_entropy_forward_and_gradient_match_the_contract(ce_path, options,
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
     grad_scale = torch.rand(rows, device=DEVICE) + 0.25
     grad = torch.full_like(logits, 12345.0)
-    loss, lse, row_weight = _run_cross_entropy(logits, target, weight, grad, grad_scale, ignore_index, smoothing,
-                                               softcap, lse_square_scale)
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, ignore_index, smoothing, softcap,
-                                      lse_square_scale)
+    loss_options = LossOptions(ignore_index=ignore_index, label_smoothing=smoothing, softcap=softcap,
+                               lse_square_scale=lse_square_scale)
+    loss, lse, row_weight = _run_cross_entropy(logits, target, weight, grad, grad_scale, loss_options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, loss_options)
     assert_close(loss, expected.loss, torch.float32, "loss")
     assert_close(lse, expected.lse, torch.float32, "lse")
     assert_close(row_weight, expected.row_weight, torch.float32, "row weight")
@@ -125,11 +125,11 @@ def test_cross_entropy_in_place_with_a_broadcast_grad_scale(ce_path, dtype):
     target = torch.tensor([36, 1, -100, 20, 15, 33], device=DEVICE)
     weight = torch.rand(classes, device=DEVICE) + 0.5
     grad_scale = torch.full((1,), 0.125, device=DEVICE).expand(rows)
-    options = (-100, 0.1, 5.0, 0.01)
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, *options)
+    options = LossOptions(ignore_index=-100, label_smoothing=0.1, softcap=5.0, lse_square_scale=0.01)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
     separate = torch.empty_like(logits)
-    stats = _run_cross_entropy(logits, target, weight, separate, grad_scale, *options)
-    in_place = _run_cross_entropy(logits, target, weight, logits, grad_scale, *options)
+    stats = _run_cross_entropy(logits, target, weight, separate, grad_scale, options)
+    in_place = _run_cross_entropy(logits, target, weight, logits, grad_scale, options)
     assert torch.equal(in_place, stats)
     assert torch.equal(logits, separate)
     assert_close(stats[0], expected.loss, torch.float32, "loss")
@@ -147,8 +147,9 @@ def test_cross_entropy_of_large_logits_is_exact(ce_path):
     weight = torch.rand(classes, device=DEVICE) + 0.5
     grad = torch.empty_like(logits)
     grad_scale = torch.ones(rows, device=DEVICE)
-    loss, _, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, -100, 0.1)
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, 0.1)
+    options = LossOptions(ignore_index=-100, label_smoothing=0.1)
+    loss, _, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
     assert_close(loss, expected.loss, torch.float32, "loss")
     assert_close(grad, expected.grad, torch.float32, "gradient")
 
@@ -161,10 +162,11 @@ def test_cross_entropy_softcap_past_float32_is_no_cap(ce_path):
     target = torch.tensor([5, -100, 30], device=DEVICE)
     grad_scale = torch.rand(3, device=DEVICE)
     grads = torch.empty(2, 3, 37, device=DEVICE)
-    huge = _run_cross_entropy(logits, target, None, grads[0], grad_scale, -100, 0.1, 1e39, 0.01)
-    plain = _run_cross_entropy(logits, target, None, grads[1], grad_scale, -100, 0.1, 0.0, 0.01)
+    uncapped = LossOptions(ignore_index=-100, label_smoothing=0.1, softcap=0.0, lse_square_scale=0.01)
+    huge = _run_cross_entropy(logits, target, None, grads[0], grad_scale, uncapped._replace(softcap=1e39))
+    plain = _run_cross_entropy(logits, target, None, grads[1], grad_scale, uncapped)
     assert torch.equal(huge, plain) and torch.equal(grads[0], grads[1])
-    expected = cross_entropy_contract(logits, target, None, grad_scale, -100, 0.1, 0.0, 0.01).grad
+    expected = cross_entropy_contract(logits, target, None, grad_scale, uncapped).grad
     assert_close(grads[1], expected, torch.float32, "gradient")
 
 
@@ -177,9 +179,9 @@ def test_cross_entropy_without_a_gradient_only_reads(ce_path):
     before = logits.clone()
     target = torch.tensor([4, -100, 36, 0, 21], device=DEVICE)
     weight = torch.rand(classes, device=DEVICE) + 0.5
-    options = (-100, 0.1, 6.0, 0.01)
-    loss, lse, row_weight = _run_cross_entropy(logits, target, weight, None, None, *options)
-    expected = cross_entropy_contract(logits, target, weight, None, *options)
+    options = LossOptions(ignore_index=-100, label_smoothing=0.1, softcap=6.0, lse_square_scale=0.01)
+    loss, lse, row_weight = _run_cross_entropy(logits, target, weight, None, None, options)
+    expected = cross_entropy_contract(logits, target, weight, None, options)
     assert_close(loss, expected.loss, torch.float32, "loss")
     assert_close(lse, expected.lse, torch.float32, "lse")
     assert_close(row_weight, expected.row_weight, torch.float32, "row weight")
@@ -198,8 +200,9 @@ def test_cross_entropy_invalid_targets_are_never_read(ce_path, target_dtype):
     target = torch.tensor([0, classes, -1, far, -far, classes - 1], dtype=target_dtype, device=DEVICE)
     grad = torch.empty_like(logits)
     grad_scale = torch.ones(rows, device=DEVICE)
-    loss, lse, _ = _run_cross_entropy(logits, target, None, grad, grad_scale, -100, 0.1, 0.0, 0.01)
-    expected = cross_entropy_contract(logits, target, None, grad_scale, -100, 0.1, 0.0, 0.01)
+    options = LossOptions(ignore_index=-100, label_smoothing=0.1, softcap=0.0, lse_square_scale=0.01)
+    loss, lse, _ = _run_cross_entropy(logits, target, None, grad, grad_scale, options)
+    expected = cross_entropy_contract(logits, target, None, grad_scale, options)
     assert_close(lse, expected.lse, torch.float32, "lse")
     assert loss[1:5].isnan().all() and grad[1:5].isnan().all()
     valid = [0, 5]
@@ -225,8 +228,9 @@ def test_cross_entropy_long_rows(weighted, smoothing):
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
     grad = torch.empty_like(logits)
     grad_scale = torch.rand(rows, device=DEVICE)
-    loss, lse, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, -100, smoothing)
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, -100, smoothing)
+    options = LossOptions(ignore_index=-100, label_smoothing=smoothing)
+    loss, lse, _ = _run_cross_entropy(logits, target, weight, grad, grad_scale, options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
     finite = logits.isfinite().all(1)  # smoothing sums every logit: -inf ones give an infinite loss
     keep = finite | (smoothing == 0.0)
     assert_close(lse, expected.lse, torch.float32, "lse")
@@ -235,7 +239,7 @@ def test_cross_entropy_long_rows(weighted, smoothing):
     if smoothing:
         assert torch.isinf(loss[~finite]).all()
     assert_close(grad, expected.grad, torch.float32, "gradient")
-    loss, lse, _ = _run_cross_entropy(logits, target, weight, None, None, -100, smoothing)   # CE_LOOP_CONFIGS
+    loss, lse, _ = _run_cross_entropy(logits, target, weight, None, None, options)   # CE_LOOP_CONFIGS
     assert_close(lse, expected.lse, torch.float32, "lse without the gradient")
     assert_close(loss[keep], expected.loss[keep], torch.float32, "loss without the gradient")
 
@@ -328,7 +332,7 @@ def test_second_device():
     target = torch.randint(0, 32000, (64,), device="cuda:1")
     stats = torch.empty(3, 64, device="cuda:1")
     grad = torch.empty_like(logits)
-    cross_entropy.forward(logits, target, None, *stats, grad, torch.ones(64, device="cuda:1"), -100, 0.0, 0.0, 0.0)
+    cross_entropy.forward(logits, target, None, *stats, grad, torch.ones(64, device="cuda:1"), LossOptions())
     cross_entropy.scale(grad, torch.full((1,), 0.5, device="cuda:1"))
     expected = cross_entropy_contract(logits, target, grad_scale=torch.full((64,), 0.5))
     assert_close(stats[0], expected.loss, torch.float32, "loss")
@@ -677,18 +681,6 @@ def test_repeated_launches_follow_each_call_specialisation():
 # -- cross-entropy over a slice of the classes (vocabulary-parallel): row_stats and gradient
 
 
-def _row_stats_contract(logits, weight, smoothing, softcap):
-    """(m, S, sum_j w_j u_j, its terms' size) of every row in float64; S 0 where m is -inf; the sum 0 without
-    label smoothing."""
-    u = logits.detach().double().cpu()
-    u = softcap * torch.tanh(u / softcap) if softcap else u
-    m = u.max(1).values
-    total = torch.exp(u - torch.where(m == -float("inf"), 0.0, m)[:, None]).sum(1)
-    w = torch.ones(u.shape[1], dtype=torch.float64) if weight is None else weight.double().cpu()
-    weighted = (w * u).sum(1) if smoothing else torch.zeros_like(m)
-    return m, total, weighted, (w * u).abs().sum(1)
-
-
 @needs_kernels
 @pytest.mark.parametrize("options", ["weight-smoothing", "everything", "plain"], ids=str)
 @pytest.mark.parametrize("ce_path", CE_PATHS, indirect=True)
@@ -707,21 +699,18 @@ def test_cross_entropy_row_stats_on_each_path(ce_path, options):
     target = torch.tensor([1, 30, 2, ignore_index, 39, 0], device=DEVICE)
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
     grad_scale = torch.rand(rows, device=DEVICE) + 0.5
-    options = (ignore_index, smoothing, softcap, lse_square_scale)
+    options = LossOptions(ignore_index=ignore_index, label_smoothing=smoothing, softcap=softcap,
+                          lse_square_scale=lse_square_scale)
     plain_grad, stats_grad = torch.empty_like(logits), torch.empty_like(logits)
-    plain = _run_cross_entropy(logits, target, weight, plain_grad, grad_scale, *options)
+    plain = _run_cross_entropy(logits, target, weight, plain_grad, grad_scale, options)
     with_stats = torch.full((3, rows), 12345.0, device=DEVICE)
     row_stats = torch.full((3, rows), 12345.0, device=DEVICE)
-    cross_entropy.forward(logits, target, weight, *with_stats, stats_grad, grad_scale, *options, row_stats=row_stats)
+    cross_entropy.forward(logits, target, weight, *with_stats, stats_grad, grad_scale, options, row_stats=row_stats)
     torch.testing.assert_close(with_stats, plain, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(stats_grad, plain_grad, rtol=0, atol=0, equal_nan=True)
-    m, total, weighted_sum, magnitude = _row_stats_contract(logits, weight, smoothing, softcap)
-    assert_close(row_stats[0], m, torch.float32, "m")
-    assert_close(row_stats[1], total, torch.float32, "S")
+    assert_row_stats(row_stats, row_stats_contract(logits, weight, options), f"row_stats, {ce_path} path")
     if not softcap:   # (capped, -inf is -softcap)
         assert row_stats[0, 0] == -float("inf") and row_stats[1, 0] == 0
-    keep = torch.arange(rows) > 0   # with smoothing, the row of -inf sums to -inf: checked by the other rows
-    assert_close(row_stats[2].cpu()[keep], weighted_sum[keep], torch.float32, "sum w u", magnitude[keep])
     assert torch.isnan(row_stats[:2, 2]).all()
 
 
@@ -742,7 +731,7 @@ def _check_slice_gradient(dtype, rows, classes, weighted, softcap, in_place):
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
     coefficients = torch.rand(3, rows, device=DEVICE) + torch.tensor([[0.5], [0.5], [0.0]], device=DEVICE)
     grad = logits if in_place else torch.full_like(logits, 7.0)
-    cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, softcap)
+    cross_entropy.gradient(logits, target, weight, row_max_sum, coefficients, grad, LossOptions(softcap=softcap))
     expected, magnitude = reference_slice_gradient(original, target, weight, row_max_sum, coefficients, softcap)
     assert_close(grad, expected, dtype, f"gradient {rows}x{classes}", magnitude)
     if not in_place:
@@ -783,10 +772,7 @@ def test_cross_entropy_slice_at_the_tuned_sizes(dtype):
             grad_scale = None if grad is None else torch.rand(5, device=DEVICE)
             row_stats = torch.full((3, 5), 12345.0, device=DEVICE)
             outputs = torch.empty(3, 5, device=DEVICE)
-            cross_entropy.forward(logits, target, weight, *outputs, grad, grad_scale, -100, 0.1, 0.0, 0.0,
-                                  row_stats=row_stats)
-            m, total, weighted_sum, magnitude = _row_stats_contract(logits, weight, 0.1, 0.0)
-            assert_close(row_stats[0], m, torch.float32, f"m {classes}")
-            assert_close(row_stats[1], total, torch.float32, f"S {classes}")
-            assert_close(row_stats[2], weighted_sum, torch.float32, f"sum w u {classes}", magnitude)
+            options = LossOptions(ignore_index=-100, label_smoothing=0.1)
+            cross_entropy.forward(logits, target, weight, *outputs, grad, grad_scale, options, row_stats=row_stats)
+            assert_row_stats(row_stats, row_stats_contract(logits, weight, options), f"row_stats, {classes} classes")
             assert torch.isnan(row_stats[:, 3]).all()

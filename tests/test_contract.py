@@ -20,7 +20,9 @@ import sys
 import pytest
 import torch
 
-from harness import DEVICE, assert_close, cross_entropy_contract, on_each_backend, simulated
+from harness import (DEVICE, assert_close, assert_row_stats, cross_entropy_contract, on_each_backend,
+                     row_stats_contract, simulated)
+from multisoft import LossOptions
 from multisoft._blocksparse import lookup_table
 from multisoft._registry import get_backend
 from multisoft.check import (DTYPES, reference_blocksparse, reference_blocksparse_backward, reference_cross_entropy,
@@ -251,14 +253,15 @@ CROSS_ENTROPY_CASES = {
 
 def _cross_entropy_inputs(dtype, shape, weighted=False, label_smoothing=0.0, ignore_index=-100,
                           target_dtype=torch.int64, softcap=0.0, lse_square_scale=0.0):
-    """(logits, target, weight or None, the scalar arguments of the kernels' forward) of a case."""
+    """(logits, target, weight or None, the kernels' ``options`` record) of a case."""
     rows, classes = shape
     logits = (torch.randn(shape, device=DEVICE) * 2).to(dtype)
     target = torch.randint(0, classes, (rows,), device=DEVICE)
     target[[r for r in IGNORED_ROWS if r < rows]] = ignore_index
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
-    return logits, target.to(target_dtype), weight, dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                                         softcap=softcap, lse_square_scale=lse_square_scale)
+    return logits, target.to(target_dtype), weight, LossOptions(ignore_index=ignore_index,
+                                                                label_smoothing=label_smoothing, softcap=softcap,
+                                                                lse_square_scale=lse_square_scale)
 
 
 def _cross_entropy_forward(backend, logits, target, weight, options, grad=None, grad_scale_values=None,
@@ -286,8 +289,7 @@ def _cross_entropy_forward(backend, logits, target, weight, options, grad=None, 
     if with_row_stats:   # -777 is a value m, S or sum(w * u) of these logits could be: NaN is an answer here
         stats["row_stats"] = call.output("row_stats", (3, rows), torch.float32, fill=12345.0)
     _kernels(backend, "cross_entropy").forward(placed_logits, target, weight, loss, lse, row_weight, grad_logits,
-                                               grad_scale, options["ignore_index"], options["label_smoothing"],
-                                               options["softcap"], options["lse_square_scale"], **stats)
+                                               grad_scale, options, **stats)
     call.unchanged()
     if with_row_stats:
         return loss, lse, row_weight, grad_logits, stats["row_stats"]
@@ -304,7 +306,7 @@ def test_cross_entropy_forward(backend, dtype, case):
     _skip_unless_runs(backend, dtype)
     logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[case])
     loss, lse, row_weight, _ = _cross_entropy_forward(backend, logits, target, weight, options)
-    expected = cross_entropy_contract(logits, target, weight, **options)
+    expected = cross_entropy_contract(logits, target, weight, options=options)
     assert_close(loss, expected.loss, torch.float32, "loss")
     assert_close(lse, expected.lse, torch.float32, "lse")
     assert torch.equal(row_weight, expected.row_weight.float()), (row_weight, expected.row_weight)
@@ -342,12 +344,12 @@ def test_cross_entropy_forward_with_gradient(backend, dtype, case):
     mode = "in-place" if in_place else "separate"
     loss, lse, row_weight, grad = _cross_entropy_forward(backend, logits, target, weight, options, mode, grad_scale,
                                                          broadcast)
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, **options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
     assert_close(loss, expected.loss, torch.float32, "loss")
     assert_close(lse, expected.lse, torch.float32, "lse")
     assert torch.equal(row_weight, expected.row_weight.float())
     assert_close(grad, expected.grad, dtype, "grad_logits")
-    ignored = target == options["ignore_index"]
+    ignored = target == options.ignore_index
     assert (grad[ignored] == 0).all(), "an ignored row's gradient is 0"
     if broadcast:
         *_, per_row = _cross_entropy_forward(backend, logits, target, weight, options, mode, grad_scale, False)
@@ -402,7 +404,7 @@ PROBABILITY_CASES = {
 
 
 def _probability_inputs(dtype, shape, weighted=False, label_smoothing=0.0, softcap=0.0, lse_square_scale=0.0):
-    """(logits, target probabilities of the logits' dtype, weight or None, the scalar arguments): row 0's target
+    """(logits, target probabilities of the logits' dtype, weight or None, the ``options`` record): row 0's target
     one-hot, row 1's (where there is one) spread over a few classes, the others a softmax of random scores."""
     rows, classes = shape
     logits = (torch.randn(shape, device=DEVICE) * 2).to(dtype)
@@ -413,15 +415,16 @@ def _probability_inputs(dtype, shape, weighted=False, label_smoothing=0.0, softc
         target[1] = 0.0
         target[1, : min(classes, 4)] = 1.0 / min(classes, 4)
     weight = torch.rand(classes, device=DEVICE) + 0.5 if weighted else None
-    return logits, target.to(dtype), weight, dict(label_smoothing=label_smoothing, softcap=softcap,
-                                                  lse_square_scale=lse_square_scale)
+    return logits, target.to(dtype), weight, LossOptions(label_smoothing=label_smoothing, softcap=softcap,
+                                                         lse_square_scale=lse_square_scale)
 
 
 def _probability_reference(logits, target, weight, options):
     """(per-row loss, lse) in float64 of probability targets: torch's F.cross_entropy of the capped logits plus
     the z-loss (multisoft.check's reference)."""
     return reference_cross_entropy(logits, target.double(), weight=weight, reduction="none", return_lse=True,
-                                   **{**options, "softcap": options["softcap"] or None})
+                                   label_smoothing=options.label_smoothing, softcap=options.softcap or None,
+                                   lse_square_scale=options.lse_square_scale)
 
 
 def _probabilities_forward(backend, logits, target, weight, options, grad_scale_values=None, broadcast=False,
@@ -441,9 +444,8 @@ def _probabilities_forward(backend, logits, target, weight, options, grad_scale_
         else:
             grad_scale = call.input("grad_scale", grad_scale_values)
         grad_logits = call.output("grad_logits", logits.shape, logits.dtype)
-    _kernels(backend, "cross_entropy").probabilities_forward(
-        logits, target, weight, loss, lse, grad_logits, grad_scale, options["label_smoothing"], options["softcap"],
-        options["lse_square_scale"])
+    _kernels(backend, "cross_entropy").probabilities_forward(logits, target, weight, loss, lse, grad_logits,
+                                                             grad_scale, options)
     call.unchanged()
     return loss, lse, grad_logits
 
@@ -547,7 +549,7 @@ def test_cross_entropy_invalid_targets(backend, target_dtype):
     invalid = ~((target >= 0) & (target < classes)) & (target != -100)
     known = ~invalid
     logits = torch.randn(rows, classes, device=DEVICE) * 2
-    options = dict(ignore_index=-100, label_smoothing=0.1, softcap=0.0, lse_square_scale=0.01)
+    options = LossOptions(ignore_index=-100, label_smoothing=0.1, softcap=0.0, lse_square_scale=0.01)
     weight = torch.rand(classes, device=DEVICE) + 0.5
     grad_scale = torch.rand(rows, device=DEVICE) + 0.5
     for grad in (None, "in-place"):
@@ -555,7 +557,7 @@ def test_cross_entropy_invalid_targets(backend, target_dtype):
         loss, lse, row_weight, grad_logits = _cross_entropy_forward(backend, logits, target, weight, options, grad,
                                                                     grad_scale, loss_fill=0.5)
         assert torch.isnan(loss[invalid]).all(), f"loss of the rows with invalid targets: {loss[invalid]}"
-        expected = cross_entropy_contract(logits, target, weight, grad_scale, **options)
+        expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
         assert_close(loss[known], expected.loss[known], torch.float32, "loss of the other rows")
         assert_close(lse, expected.lse, torch.float32, "lse")
         assert torch.equal(row_weight[known], expected.row_weight[known].float())
@@ -569,19 +571,6 @@ def test_cross_entropy_invalid_targets(backend, target_dtype):
 def _capped64(x, softcap):
     """u of float64 logits: softcap * tanh(x / softcap), or x (softcap 0)."""
     return softcap * torch.tanh(x / softcap) if softcap else x
-
-
-def _expected_row_stats(logits, weight, options):
-    """(m, S, sum_j w_j u_j) of every row in float64 (the last 0 without label smoothing); S is 0 where m is -inf
-    (a row of -inf: nothing to add to the other slices' sums)."""
-    u = _capped64(logits.double(), options["softcap"])
-    m = u.max(1).values
-    shift = torch.where(m == -INF, 0.0, m)
-    total = torch.exp(u - shift[:, None]).sum(1)
-    w = torch.ones(u.shape[1], dtype=torch.float64, device=u.device) if weight is None else weight.double()
-    weighted = (w * u).sum(1) if options["label_smoothing"] else torch.zeros_like(m)
-    magnitude = (w * u).abs().sum(1) if options["label_smoothing"] else torch.zeros_like(m)
-    return m, total, weighted, magnitude
 
 
 # case of CROSS_ENTROPY_CASES, gradient (None, "separate", "in-place")
@@ -615,10 +604,7 @@ def test_cross_entropy_row_stats(backend, dtype, case):
     for name, value, plain in zip(("loss", "lse", "row_weight", "grad_logits"), outputs, without):
         if value is not None:
             assert torch.equal(_bits(value), _bits(plain)), f"{name} differs from the call without row_stats"
-    m, total, weighted, magnitude = _expected_row_stats(logits, weight, options)
-    assert_close(row_stats[0], m, torch.float32, "m")
-    assert_close(row_stats[1], total, torch.float32, "S")
-    assert_close(row_stats[2], weighted, torch.float32, "sum w * u", magnitude)
+    assert_row_stats(row_stats, row_stats_contract(logits, weight, options), "row_stats")
 
 
 @on_each_backend
@@ -630,10 +616,7 @@ def test_cross_entropy_row_stats_of_a_row_of_minus_infinity(backend):
     logits[2, ::3] = -INF
     *_, row_stats = _cross_entropy_forward(backend, logits, target, weight, options, with_row_stats=True)
     assert row_stats[0, 1] == -INF and row_stats[1, 1] == 0, row_stats[:, 1]
-    m, total, weighted, _ = _expected_row_stats(logits, weight, options)
-    assert_close(row_stats[0], m, torch.float32, "m")
-    assert_close(row_stats[1], total, torch.float32, "S")
-    assert torch.equal(row_stats[2], weighted.float()), "sum w * u is 0 without label smoothing"
+    assert_row_stats(row_stats, row_stats_contract(logits, weight, options), "row_stats")
 
 
 def _slice_inputs(dtype, rows, classes, weighted, softcap, first=3, wider=11):
@@ -678,7 +661,7 @@ def _check_slice_gradient(backend, dtype, shape, weighted=False, softcap=0.0, in
     placed_coefficients = call.input("coefficients", coefficients)
     grad_logits = placed if in_place else call.output("grad_logits", shape, dtype)
     _kernels(backend, "cross_entropy").gradient(placed, placed_target, placed_weight, placed_stats,
-                                                placed_coefficients, grad_logits, softcap)
+                                                placed_coefficients, grad_logits, LossOptions(softcap=softcap))
     call.unchanged()
     expected, magnitude = reference_slice_gradient(logits, target, weight, row_max_sum, coefficients, softcap)
     assert_close(grad_logits, expected, dtype, "gradient of the slice", magnitude)
@@ -832,7 +815,7 @@ def test_unaligned_tensors_stay_in_bounds(backend, dtype):
     logits, target, weight, options = _cross_entropy_inputs(
         dtype, **CROSS_ENTROPY_CASES["softcap-z-loss-weighted-smoothed"])
     grad_scale = torch.rand(logits.shape[0], device=DEVICE) + 0.5
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, **options)
+    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
     for grad in (None, "separate", "in-place"):
         loss, _, _, grad_logits = _cross_entropy_forward(backend, logits, target, weight, options, grad, grad_scale,
                                                          lead=UNALIGNED)
