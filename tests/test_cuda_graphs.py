@@ -33,18 +33,27 @@ def _cross_entropy_step(backend):
     return step
 
 
+def _log_probs_step(backend):
+    def step(logits, target):
+        picked, entropy = multisoft.log_probs(logits, target, temperature=0.7, return_entropy=True, backend=backend)
+        (grad,) = torch.autograd.grad(picked.sum() - 0.1 * entropy.sum(), logits)
+        return picked, grad
+    return step
+
+
 def _inputs(kind, seed, dtype):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     if kind == "softmax":
         x = torch.randn(64, 1000, device="cuda", generator=generator).to(dtype).requires_grad_()
         return x, torch.randn(64, 1000, device="cuda", generator=generator).to(dtype)
     logits = (3 * torch.randn(64, 5000, device="cuda", generator=generator)).to(dtype).requires_grad_()
-    target = torch.randint(0, 5000, (64,), device="cuda", generator=generator)
+    target = torch.randint(0, 5000, (64,) if kind == "cross_entropy" else (64, 2), device="cuda",
+                           generator=generator)
     target[::7] = -100
     return logits, target
 
 
-STEPS = {"softmax": _softmax_step, "cross_entropy": _cross_entropy_step}
+STEPS = {"softmax": _softmax_step, "cross_entropy": _cross_entropy_step, "log_probs": _log_probs_step}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -83,6 +92,10 @@ def test_reduce_overhead_compile_equals_eager(backend, kind):
         if kind == "softmax":
             y = multisoft.softmax(first, -1, backend=backend)
             return y, (y * second).sum()
+        if kind == "log_probs":
+            picked, entropy = multisoft.log_probs(first, second, temperature=0.7, return_entropy=True,
+                                                  backend=backend)
+            return picked, picked.sum() - 0.1 * entropy.sum()
         loss = multisoft.cross_entropy(first, second, backend=backend)
         return loss, loss
 
