@@ -22,8 +22,10 @@ def parse_args(argv: list[str], prog: str = "python -m multisoft bench") -> argp
                     "bandwidth; write CSV, Markdown and PNG plots. Needs a CUDA GPU.")
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     parser.add_argument("--ops", help=f"comma-separated ops (default: all of {', '.join(plan.OPS)}; also "
-                                      f"{', '.join(plan.EXTRA_OPS)} (aliases lce, vp, step), timed only when "
-                                      "named; train_step: a small Llama's training step, fp32 whatever --dtypes)")
+                                      f"{', '.join(plan.EXTRA_OPS)} (aliases lce, vp, step, lp, llp), timed only "
+                                      "when named; train_step: a small Llama's training step, fp32 whatever "
+                                      "--dtypes; log_probs and linear_log_probs: each case in its own dtype, of "
+                                      "those --dtypes names)")
     parser.add_argument("--backends", help="comma-separated backends (default: all that can run here, but those "
                                            "selectable only by name)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated of fp32, bf16, fp16 "

@@ -41,14 +41,15 @@ def _number(value, style: str) -> str:
     return "—" if value is None else format(value, style)
 
 
-def _verdict(record: LinearRecord, case: list[LinearRecord]) -> str:
+def verdict(record: LinearRecord, case: list[LinearRecord]) -> str:
+    """The last column of a row: a peer's note; a backend's note, and the targets it meets or misses."""
     if record.role != "backend":
         return record.note
     misses = target_misses(record, case)
-    verdict = "met" if not misses else "missed: " + "; ".join(misses)
+    outcome = "met" if not misses else "missed: " + "; ".join(misses)
     if record.ms is not None and record.extra_gib is None:
-        verdict += " (memory not measured)"
-    return "; ".join(text for text in (record.note, verdict) if text)
+        outcome += " (memory not measured)"
+    return "; ".join(text for text in (record.note, outcome) if text)
 
 
 def case_table(case: list[LinearRecord]) -> list[str]:
@@ -64,7 +65,7 @@ def case_table(case: list[LinearRecord]) -> list[str]:
                      f"{_number(r.extra_gib, '.2f')} | {_number(r.beyond_gradients_gib, '.2f')} | "
                      f"{_number(r.of_logits, '.3f')} | {_number(r.loss_error, '.1e')} | "
                      f"{_number(r.grad_input_error, '.1e')} | {_number(r.grad_weight_error, '.1e')} | "
-                     f"{_verdict(r, case)} |")
+                     f"{verdict(r, case)} |")
     return lines + [""]
 
 

@@ -8,14 +8,16 @@ import math
 OPS = ("softmax", "log_softmax", "cross_entropy", "blocksparse_softmax")  # the default set
 # Timed only when asked for (--ops): fused linear cross-entropy's cases take minutes (fp32 matmuls of M·H·V, a
 # float64 reference each), more than the rest of a full run; vocabulary-parallel cross-entropy needs 2 GPUs; a small
-# Llama's training step compiles the model for each loss. Their cases and tables are in the linear, vocab_parallel
-# and train_step modules.
-EXTRA_OPS = ("linear_cross_entropy", "vocab_parallel", "train_step")
+# Llama's training step compiles the model for each loss; per-token log-probabilities (on logits, and fused with the
+# output layer) have tables of their own, each with a float64 reference. Their cases and tables are in the linear,
+# vocab_parallel, train_step, log_probs and linear_log_probs modules.
+EXTRA_OPS = ("linear_cross_entropy", "vocab_parallel", "train_step", "log_probs", "linear_log_probs")
 OP_ALIASES = {"blocksparse": "blocksparse_softmax", "ce": "cross_entropy", "lce": "linear_cross_entropy",
-              "vp": "vocab_parallel", "step": "train_step"}
+              "vp": "vocab_parallel", "step": "train_step", "lp": "log_probs", "llp": "linear_log_probs"}
 KERNEL_MODULE = {"softmax": "softmax", "log_softmax": "softmax", "cross_entropy": "cross_entropy",
                  "blocksparse_softmax": "blocksparse", "linear_cross_entropy": "cross_entropy",
-                 "vocab_parallel": "cross_entropy", "train_step": "cross_entropy"}
+                 "vocab_parallel": "cross_entropy", "train_step": "cross_entropy", "log_probs": "log_probs",
+                 "linear_log_probs": "log_probs"}
 DIRECTIONS = ("forward", "backward", "forward+backward")
 # The directions timed of each op. Cross-entropy has no backward of its own: its forward computes the gradient when
 # the logits require grad and its backward only scales that (nothing at all when the incoming gradient is 1), and a

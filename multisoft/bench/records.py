@@ -15,8 +15,11 @@ HOST_TIME_FILE = "host_time.csv"
 LINEAR_FILE = "linear_cross_entropy.csv"
 VOCAB_PARALLEL_FILE = "vocab_parallel.csv"
 TRAIN_STEP_FILE = "train_step.csv"
+LOG_PROBS_FILE = "log_probs.csv"
+LINEAR_LOG_PROBS_FILE = "linear_log_probs.csv"
 COPY_AT_END = "copy bandwidth at the end"  # an environment entry: the long copy measured again after the run
 BYTES_COUNTED = "bytes counted"  # an environment entry: how the run counted each op's bytes (plan.bytes_counted)
+LIGER_LOG_PROBS = "liger fused linear log-probs"  # an environment entry: the Liger-Kernel op linear_log_probs times
 
 
 @dataclasses.dataclass
@@ -114,6 +117,91 @@ class LinearRecord:
 
 
 @dataclasses.dataclass
+class LogProbsRecord:
+    """One implementation's per-token log-probabilities and entropy on (M, V) logits (``--ops log_probs``): the
+    times of the RL objective's forward+backward (kernel time and eager wall time), of its forward alone and of its
+    forward+backward without the entropy; each time's bandwidth as a fraction of the run's copy bandwidth at the
+    op's floor (forward: the logits read once; forward+backward: three passes over them); its peak memory beyond
+    the inputs (None off a GPU); its errors against float64, each the largest difference over the reference's
+    largest absolute value. The row of role "copy" is ``dst.copy_(src)`` of the logits (its bytes: read + write)."""
+
+    impl: str
+    role: str  # "backend", "peer" or "copy"
+    dtype: str
+    shape: str  # "MxV"
+    ms: float | None = None  # forward+backward, kernel time (the run's timer)
+    eager_ms: float | None = None  # forward+backward, eager wall time (host included)
+    forward_ms: float | None = None
+    forward_eager_ms: float | None = None
+    no_entropy_ms: float | None = None  # forward+backward of the log-probabilities alone (return_entropy=False)
+    no_entropy_eager_ms: float | None = None
+    pass_bytes: int = 0  # one pass over the logits: M·V × element size
+    fraction_of_copy: float | None = None  # forward+backward at 3 × pass_bytes (the copy row: its own bytes)
+    eager_fraction: float | None = None
+    forward_fraction: float | None = None  # forward at 1 × pass_bytes
+    forward_eager_fraction: float | None = None
+    extra_gib: float | None = None  # peak memory beyond what was allocated before the step, the gradient included
+    log_probs_error: float | None = None
+    entropy_error: float | None = None
+    grad_error: float | None = None
+    note: str = ""
+
+    @property
+    def logits_gib(self) -> float:
+        return self.pass_bytes / 2**30
+
+    @property
+    def beyond_gradient_gib(self) -> float | None:
+        """The peak memory beyond the inputs less the logits' gradient (as large as the logits)."""
+        return None if self.extra_gib is None else self.extra_gib - self.logits_gib
+
+    @property
+    def entropy_cost(self) -> float | None:
+        """What the entropy adds to forward+backward, kernel time: ms / no_entropy_ms - 1."""
+        return None if self.ms is None or not self.no_entropy_ms else self.ms / self.no_entropy_ms - 1
+
+    @property
+    def eager_entropy_cost(self) -> float | None:
+        """The same of the eager times."""
+        if self.eager_ms is None or not self.no_entropy_eager_ms:
+            return None
+        return self.eager_ms / self.no_entropy_eager_ms - 1
+
+
+@dataclasses.dataclass
+class LinearLogProbsRecord:
+    """One implementation's forward+backward of per-token log-probabilities and entropy of ``x @ w.T`` (M x H hidden
+    states, V x H weight, no bias) into the gradients of both (``--ops linear_log_probs``): its time, its peak
+    memory beyond the inputs (None off a GPU) and its errors against float64, each the largest difference over the
+    reference's largest absolute value. The fields that linear_report.target_misses reads are LinearRecord's."""
+
+    impl: str
+    role: str  # "floor" (the four matrix products alone), "backend" or "peer"
+    dtype: str
+    shape: str  # "MxHxV"
+    ms: float | None = None
+    of_products: float | None = None  # ms / the products' ms of the same case
+    extra_gib: float | None = None  # peak memory beyond what was allocated before the step, gradients included
+    gradients_gib: float = 0.0  # the two gradients' bytes
+    logits_gib: float = 0.0  # M·V × element size
+    log_probs_error: float | None = None
+    entropy_error: float | None = None
+    grad_input_error: float | None = None
+    grad_weight_error: float | None = None
+    note: str = ""
+
+    @property
+    def beyond_gradients_gib(self) -> float | None:
+        return None if self.extra_gib is None else self.extra_gib - self.gradients_gib
+
+    @property
+    def of_logits(self) -> float | None:
+        """The memory beyond the gradients as a fraction of the logits' size."""
+        beyond = self.beyond_gradients_gib
+        return None if beyond is None or not self.logits_gib else beyond / self.logits_gib
+
+
+@dataclasses.dataclass
 class VocabParallelRecord:
     """Vocabulary-parallel cross-entropy of one backend, dtype and shape: a mean loss's forward+backward split over
     ``ranks`` GPUs (each rank its V/ranks columns, ``process_group=``) against the unsplit call on one GPU, and the
@@ -179,6 +267,8 @@ class Results:
     linear: list[LinearRecord] = dataclasses.field(default_factory=list)
     vocab_parallel: list[VocabParallelRecord] = dataclasses.field(default_factory=list)
     train_step: list[TrainStepRecord] = dataclasses.field(default_factory=list)
+    log_probs: list[LogProbsRecord] = dataclasses.field(default_factory=list)
+    linear_log_probs: list[LinearLogProbsRecord] = dataclasses.field(default_factory=list)
 
 
 def describe_error(error: BaseException) -> str:
@@ -257,7 +347,8 @@ def write_csv(path: Path, rows: list, extra: dict | None = None) -> Path:
 
 def write_records(results: Results, out: Path) -> list[Path]:
     """timings.csv, environment.json and, where there are such records, memory.csv, first_calls.csv,
-    host_time.csv, linear_cross_entropy.csv, vocab_parallel.csv and train_step.csv in ``out``; the paths written."""
+    host_time.csv, linear_cross_entropy.csv, vocab_parallel.csv, train_step.csv, log_probs.csv and
+    linear_log_probs.csv in ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [write_csv(out / "timings.csv", results.timings)]
     environment_path = out / ENVIRONMENT_FILE
@@ -280,6 +371,15 @@ def write_records(results: Results, out: Path) -> list[Path]:
                                 "collective_share": lambda row: row.collective_share}))
     if results.train_step:
         paths.append(write_csv(out / TRAIN_STEP_FILE, results.train_step))
+    if results.log_probs:
+        paths.append(write_csv(out / LOG_PROBS_FILE, results.log_probs,
+                               {"beyond_gradient_gib": lambda row: row.beyond_gradient_gib,
+                                "entropy_cost": lambda row: row.entropy_cost,
+                                "eager_entropy_cost": lambda row: row.eager_entropy_cost}))
+    if results.linear_log_probs:
+        paths.append(write_csv(out / LINEAR_LOG_PROBS_FILE, results.linear_log_probs,
+                               {"beyond_gradients_gib": lambda row: row.beyond_gradients_gib,
+                                "of_logits": lambda row: row.of_logits}))
     return paths
 
 
@@ -310,7 +410,9 @@ def read_results(out: Path) -> Results:
     for name, file, record in (("memory", "memory.csv", MemoryRecord), ("first_calls", "first_calls.csv", FirstCall),
                                ("host_times", HOST_TIME_FILE, HostTime), ("linear", LINEAR_FILE, LinearRecord),
                                ("vocab_parallel", VOCAB_PARALLEL_FILE, VocabParallelRecord),
-                               ("train_step", TRAIN_STEP_FILE, TrainStepRecord)):
+                               ("train_step", TRAIN_STEP_FILE, TrainStepRecord),
+                               ("log_probs", LOG_PROBS_FILE, LogProbsRecord),
+                               ("linear_log_probs", LINEAR_LOG_PROBS_FILE, LinearLogProbsRecord)):
         if (out / file).exists():
             setattr(results, name, _read_csv(out / file, record))
     return results

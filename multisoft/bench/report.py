@@ -1,7 +1,8 @@
 """results.md: the environment, the headline summary, the cells below each backend's speed target with why, one
 table per op and direction (fractions of the copy bandwidth, kernel / eager), fused linear cross-entropy,
-vocabulary-parallel cross-entropy, a small Llama's training step, then peak memory, first calls, copies of each
-shape's bytes and the host time a call."""
+vocabulary-parallel cross-entropy, a small Llama's training step, per-token log-probabilities (on logits, and
+fused with the output layer), then peak memory, first calls, copies of each shape's bytes and the host time a
+call."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from . import plan
 from .cells import as_shown, fraction_cell, impl_order, number
 from .headline import headline_section, host_time_section
 from .linear_report import linear_section
-from .records import BYTES_COUNTED, COPY_AT_END, Results, Shortfall, Timing, first_shortfall, write_records
+from .log_probs_report import linear_log_probs_section, log_probs_section
+from .records import (BYTES_COUNTED, COPY_AT_END, LIGER_LOG_PROBS, Results, Shortfall, Timing, first_shortfall,
+                      write_records)
 from .train_step_report import train_step_section
 from .vocab_parallel_report import vocab_parallel_section
 
@@ -203,6 +206,8 @@ def markdown_report(results: Results, shortfalls: list[Shortfall] | None = None)
         lines += _op_section(op, [t for t in results.timings if t.op == op])
     lines += linear_section(results.linear) + vocab_parallel_section(results.vocab_parallel)
     lines += train_step_section(results.train_step)
+    lines += log_probs_section(results.log_probs)
+    lines += linear_log_probs_section(results.linear_log_probs, results.environment.get(LIGER_LOG_PROBS))
     lines += _memory_section(results) + _first_calls_section(results) + _copies_section(results)
     lines += host_time_section(results.host_times)
     return "\n".join(lines)

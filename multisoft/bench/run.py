@@ -1,6 +1,7 @@
 """One benchmark run: every case of the plan on every implementation (its kernel time and its eager wall time),
-then peak memory, fused linear cross-entropy, vocabulary-parallel cross-entropy and a small Llama's training step
-(when asked for), the host time a call and the environment, with a progress bar."""
+then peak memory, fused linear cross-entropy, vocabulary-parallel cross-entropy, a small Llama's training step and
+per-token log-probabilities on logits and fused with the output layer (when asked for), the host time a call and
+the environment, with a progress bar."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import host_time, impls, linear, plan, timing, train_step, vocab_parallel
+from . import host_time, impls, linear, linear_log_probs, log_probs, plan, timing, train_step, vocab_parallel
 from .impls import Impl
 from .progress import Progress
 from .records import BYTES_COUNTED, COPY_AT_END, FirstCall, MemoryRecord, Results, Timing, describe_error
@@ -234,6 +235,19 @@ def run(args) -> Results:
     step_config, step_counts = train_step.config(args.quick), train_step.counts(args.quick)
     if step_variants:
         results.environment.update(train_step.environment_notes(step_config, step_counts))
+    lp_cells = log_probs.cases(args.quick, args.dtypes) if log_probs.OP in args.ops and not args.headline else []
+    lp_impls = log_probs.choose_impls(backends, not args.no_peers) if lp_cells else []
+    llp_cells = (linear_log_probs.cases(args.quick, args.dtypes)
+                 if linear_log_probs.OP in args.ops and not args.headline else [])
+    llp_impls = []
+    if llp_cells:
+        llp_impls, llp_notes = linear_log_probs.choose_impls(backends, not args.no_peers)
+        results.environment.update(llp_notes)
+        results.environment["linear_log_probs timing"] = linear_log_probs.TIMING
+    for op, asked in ((log_probs.OP, lp_cells), (linear_log_probs.OP, llp_cells)):
+        if op in args.ops and not args.headline and not asked:
+            print(f"multisoft bench: {op} has no case in --dtypes {','.join(args.dtypes)} (its cases: "
+                  f"{_cells_text(op, args.quick)})", file=sys.stderr)
     memory_cases = [] if args.headline else cases.get("cross_entropy", [])
     memory_impls = [impl for impl in chosen if "cross_entropy" in impl.ops]
     total = sum(len(case_dtypes(case, args.dtypes)) * len([i for i in chosen if op in i.ops])
@@ -242,6 +256,7 @@ def run(args) -> Results:
     total += len(linear_shapes) * len(args.dtypes) * (1 + len(linear_impls))
     total += len(backends) if split_shapes else 0  # one step per backend: its ranks run all its cases
     total += len(step_variants)
+    total += len(lp_cells) * (1 + len(lp_impls)) + len(llp_cells) * (1 + len(llp_impls))
     host_timed = any(op in plan.OPS for op in args.ops)  # the host time a call of softmax and cross-entropy
     runner.progress = Progress(total + host_timed)
     try:
@@ -257,6 +272,9 @@ def run(args) -> Results:
         results.linear = linear.run_cases(runner, linear_impls, linear_shapes, args.dtypes, timing.long_call_ms)
         results.vocab_parallel = vocab_parallel.run_cases(runner, backends, split_shapes, args.dtypes)
         results.train_step = train_step.run_cases(runner, step_variants, step_config, step_counts)
+        results.log_probs = log_probs.run_cases(runner, lp_impls, lp_cells, results.copy_gb_per_s, runner.timer,
+                                                runner.eager_timer)
+        results.linear_log_probs = linear_log_probs.run_cases(runner, llp_impls, llp_cells, timing.long_call_ms)
         if host_timed:
             runner.progress.step("host time a call")
             results.host_times = host_time.measure_host_times(runner, chosen)
@@ -265,6 +283,13 @@ def run(args) -> Results:
     results.environment[COPY_AT_END] = f"{plan.gb_per_s(2 * plan.COPY_BYTES, copy_ms(runner.timer)):.0f} GB/s"
     results.environment["run time"] = f"{time.perf_counter() - started:.0f} s"
     return results
+
+
+def _cells_text(op: str, quick: bool) -> str:
+    """The cells of ``op`` (log_probs or linear_log_probs), as "8192x151936 bf16, 8192x32000 fp32"."""
+    module = log_probs if op == log_probs.OP else linear_log_probs
+    return ", ".join(f"{module.shape_label(shape)} {dtype}"
+                     for shape, dtype in (module.QUICK_CELLS if quick else module.CELLS))
 
 
 def case_dtypes(case: plan.Case, dtypes: list[str]) -> list[str]:
