@@ -9,7 +9,7 @@ import torch
 
 NAME = "cupy"
 PRIORITY = 200
-OPS = ("softmax", "cross_entropy", "blocksparse")  # log_probs: not yet
+OPS = ("softmax", "cross_entropy", "blocksparse", "log_probs")
 INSTALL = "pip install 'multisoft[cupy-cuda12]' or 'multisoft[cupy-cuda13]'"
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the kernels run

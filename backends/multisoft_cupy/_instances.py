@@ -21,7 +21,9 @@ SOFTMAX_STAGED_SOURCE = "softmax_staged.cu"
 SOFTMAX_SPLIT_SOURCE = "softmax_split.cu"
 CROSS_ENTROPY_SOURCE = "cross_entropy.cu"
 BLOCKSPARSE_SOURCE = "blocksparse.cu"
-SOURCES = (SOFTMAX_ROWS_SOURCE, SOFTMAX_STAGED_SOURCE, SOFTMAX_SPLIT_SOURCE, CROSS_ENTROPY_SOURCE, BLOCKSPARSE_SOURCE)
+LOG_PROBS_SOURCE = "log_probs.cu"
+SOURCES = (SOFTMAX_ROWS_SOURCE, SOFTMAX_STAGED_SOURCE, SOFTMAX_SPLIT_SOURCE, CROSS_ENTROPY_SOURCE, BLOCKSPARSE_SOURCE,
+           LOG_PROBS_SOURCE)
 HEADERS = ("common.cuh",)
 CUDA_TYPES = ("float", "f16_t", "bf16_t")
 INDEX_TYPES = ("int", "long long")
@@ -80,6 +82,18 @@ def ce_gradient_kernel(ctype: str, index_type: str, softcap: bool, cfg: RowConfi
     return f"ce_gradient<{ctype}, {index_type}, {cap}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
 
 
+def lp_fwd_kernel(ctype: str, softcap: bool, cfg: RowConfig) -> str:
+    """The log-probabilities forward (row statistics); with `softcap` it caps the logits."""
+    return _row_kernel("lp_fwd", ctype, cfg, "true" if softcap else "false")
+
+
+def lp_bwd_kernel(ctype: str, index_type: str, softcap: bool, cfg: RowConfig) -> str:
+    """The log-probabilities backward for ids of `index_type`; with `softcap` it caps the logits."""
+    min_blocks = f", {cfg.min_blocks}" if cfg.min_blocks else ""
+    cap = "true" if softcap else "false"
+    return f"lp_bwd<{ctype}, {index_type}, {cap}, {cfg.tpr}, {cfg.vpt}{min_blocks}>"
+
+
 def blocksparse_kernel(direction: str, ctype: str, cfg: RowConfig) -> str:
     """A register kernel: the forward a warp a row, the backward its lanes a row taken at launch."""
     return _row_kernel(f"bs_{direction}", ctype, cfg)
@@ -128,6 +142,12 @@ def _blocksparse(ctype: str) -> list[str]:
     return registers + staged
 
 
+def _log_probs(ctype: str) -> list[str]:
+    forward = [lp_fwd_kernel(ctype, cap, c) for cap in (False, True) for c in _tuning.LP_FWD_CONFIGS]
+    backward = [lp_bwd_kernel(ctype, i, cap, _tuning.LP_BWD_CONFIG) for i in INDEX_TYPES for cap in (False, True)]
+    return forward + backward
+
+
 def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
     """Every name expression of `source` for element type `ctype` on compute capability `cc` (e.g. 90)."""
     if source == SOFTMAX_ROWS_SOURCE:
@@ -140,6 +160,8 @@ def expressions(source: str, ctype: str, cc: int) -> tuple[str, ...]:
         names = _cross_entropy(ctype, cc)
     elif source == BLOCKSPARSE_SOURCE:
         names = _blocksparse(ctype)
+    elif source == LOG_PROBS_SOURCE:
+        names = _log_probs(ctype)
     else:
         raise ValueError(f"unknown source {source!r}")
     return tuple(dict.fromkeys(names))

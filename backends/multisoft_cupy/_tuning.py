@@ -259,6 +259,32 @@ def ce_gradient_grid(rows: int, classes: int, elem_size: int) -> tuple[int, int,
     return min(tiles, MAX_GRID), min(rows, MAX_GRID_Y), 1
 
 
+# ---- log-probabilities (log_probs.cu)
+
+# Batch invariance (backends/README.md, log_probs.py): every choice here comes from the column count, the element
+# size and nothing else (no row count, no multiprocessor count, no cluster), so a row's arithmetic is the same in
+# every batch. Not measured yet (docs/tuning.md).
+LP_FWD_WARP = RowConfig(32, 4, 2)  # forward: a warp per row, looping over tiles, for rows up to LP_FWD_WARP_COLUMNS
+LP_FWD_BLOCK = RowConfig(256, 1, 4, 1, 4)  # forward: a 256-thread block per row, 4 blocks a multiprocessor
+LP_FWD_CONFIGS = (LP_FWD_WARP, LP_FWD_BLOCK)  # every forward configuration
+LP_FWD_WARP_COLUMNS = {4: 2048, 2: 4096}  # the longest rows a warp takes, by element size (8 KiB)
+# The backward, one elementwise sweep (lp_bwd): ce_gradient's block shape (TPR threads, VPT 16-byte vectors a
+# thread, MIN_BLOCKS a multiprocessor); a thread's elements (VPT x 16 / element size) must be at most 32.
+LP_BWD_CONFIG = RowConfig(256, 1, 4, 1, 4)
+
+
+def lp_fwd_config(classes: int, elem_size: int) -> RowConfig:
+    """A warp per row up to LP_FWD_WARP_COLUMNS columns, a block per row beyond: from C and the element size only."""
+    return LP_FWD_WARP if classes <= LP_FWD_WARP_COLUMNS[elem_size] else LP_FWD_BLOCK
+
+
+def lp_bwd_grid(rows: int, classes: int, elem_size: int) -> tuple[int, int, int]:
+    """lp_bwd's grid: a block per tile of a row (x) and per row (y); past the grid's limits the blocks walk tiles
+    and rows (which block takes an element changes no arithmetic)."""
+    tiles = -(-classes // LP_BWD_CONFIG.capacity(elem_size))
+    return min(tiles, MAX_GRID), min(rows, MAX_GRID_Y), 1
+
+
 # ---- block-sparse softmax (blocksparse.cu)
 
 # The register kernels' tiles: a warp per row of 32 lanes (the backward: of fewer lanes, several rows a warp).
