@@ -206,7 +206,9 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     matmul; the forward keeps 3 numbers a row besides its inputs. The backward, given any incoming gradients of
     the log-probabilities and the entropy, computes each chunk's logits again, writes their gradient in place of
     them, and accumulates the gradients of ``input``, ``linear_weight`` and ``linear_bias`` (four matrix products
-    in all). Peak memory beyond the gradients: one chunk of logits. Double backward, forward-mode AD and
+    in all). Peak memory beyond the gradients: one chunk of logits. A row's results given its logits are bitwise
+    the same whatever the batch (as ``log_probs``'s), but the logits themselves are torch's matmul's, whose bits
+    may depend on the number of rows in a chunk (cuBLAS picks its algorithm per shape). Double backward, forward-mode AD and
     ``torch.func`` transforms are not supported (they raise). Works under ``torch.compile(fullgraph=True)``.
 
     ``process_group`` (a ``torch.distributed`` process group of P ranks): vocabulary-parallel, as
