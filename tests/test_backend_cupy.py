@@ -5,7 +5,8 @@ The kernels are called directly through the backend contract, against the float6
 references of multisoft/check.py at its tolerances (cross-entropy: tests/harness.py's
 cross_entropy_contract), so these tests do not depend on
 the front's dispatch (only on its look-up table for the block-sparse kernels). The
-GPU tests force each kernel path by patching multisoft_cupy._tuning.
+GPU tests force each kernel path by patching multisoft_cupy._tuning (cross-entropy's forward configurations: the
+paths of tests/kernel_paths.py, on which tests/test_contract.py checks the contract too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 import multisoft_cupy
 from harness import assert_close, assert_row_stats, cross_entropy_contract, row_stats_contract
+from kernel_paths import force, forced_paths
 from multisoft import LossOptions
 from multisoft._blocksparse import lookup_table  # (the front's look-up table: torch only, no backend)
 from multisoft.check import (
@@ -779,22 +781,25 @@ def check_cross_entropy(cross_entropy, logits, target, options, what):
     assert (storage[rows] == 7).all(), f"written past the last row: {what}"
 
 
-def _cross_entropy_path(cfg, monkeypatch):
-    if cfg.cluster > 1 and torch.cuda.get_device_capability(_device())[0] < 9:
-        pytest.skip("clusters need sm_90")
-    monkeypatch.setattr(_tuning, "ce_fwd_config", lambda *args: cfg)
+CE_PATHS = forced_paths("cupy")   # each forward configuration, from tests/kernel_paths.py
+
+
+def _cross_entropy_path(path, monkeypatch):
+    """Forces the forward configuration of ``path`` (skipped where the GPU cannot run it); returns it."""
+    force(monkeypatch, "cupy", path)
+    return _tuning.ce_fwd_config()
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cfg", _tuning.CE_FWD_CONFIGS, ids=str)
-def test_cross_entropy_every_path_matches_float64(cfg, dtype, monkeypatch):
+@pytest.mark.parametrize("path", CE_PATHS)
+def test_cross_entropy_every_path_matches_float64(path, dtype, monkeypatch):
     """Each forward configuration (a warp, a block, a cluster per row) with and without the gradient, with each
     option (weights, label smoothing, softcap, z-loss, one grad_scale for all rows or one a row), on rows of part
     of a tile (some of a cluster's blocks without any), one pass, several tiles (16-byte vectors, element-wise
     loads, rows off alignment); ignored and invalid targets, a NaN logit, a row far from 0."""
     _, cross_entropy, _ = _kernels()
-    _cross_entropy_path(cfg, monkeypatch)
+    cfg = _cross_entropy_path(path, monkeypatch)
     capacity, vec = cfg.capacity(dtype.itemsize), 16 // dtype.itemsize
     for classes, unaligned in ((37, False), (capacity, False), (3 * capacity, False), (2 * capacity + 5, False),
                                (capacity + vec, True)):
@@ -805,12 +810,12 @@ def test_cross_entropy_every_path_matches_float64(cfg, dtype, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", _tuning.CE_FWD_CONFIGS, ids=str)
-def test_cross_entropy_in_place_equals_a_separate_gradient(cfg, dtype, monkeypatch):
+@pytest.mark.parametrize("path", CE_PATHS)
+def test_cross_entropy_in_place_equals_a_separate_gradient(path, dtype, monkeypatch):
     """grad_logits = logits: every element is read before it is overwritten, so the result is bit for bit the
     gradient written to a separate buffer (one tile from registers; several re-read), int32 targets."""
     _, cross_entropy, _ = _kernels()
-    _cross_entropy_path(cfg, monkeypatch)
+    cfg = _cross_entropy_path(path, monkeypatch)
     capacity = cfg.capacity(dtype.itemsize)
     for classes, options in itertools.product((37, capacity, 3 * capacity + 5), CE_OPTIONS[::4]):
         logits, target = cross_entropy_inputs(9, classes, dtype, torch.int32, seed=classes)
@@ -939,13 +944,13 @@ def test_cross_entropy_gradient_of_a_slice_on_long_rows(dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", _tuning.CE_FWD_CONFIGS, ids=str)
-def test_cross_entropy_row_stats_on_every_path(cfg, dtype, monkeypatch):
+@pytest.mark.parametrize("path", CE_PATHS)
+def test_cross_entropy_row_stats_on_every_path(path, dtype, monkeypatch):
     """forward(..., row_stats) on each forward configuration: each row's m, S and sum w u (0 without label
     smoothing) against float64 (a NaN row, a row far from 0, ignored and invalid targets), and loss, lse,
     row_weight and gradient bit for bit as without row_stats."""
     _, cross_entropy, _ = _kernels()
-    _cross_entropy_path(cfg, monkeypatch)
+    cfg = _cross_entropy_path(path, monkeypatch)
     capacity = cfg.capacity(dtype.itemsize)
     for classes, options in itertools.product((37, 3 * capacity + 5), CE_OPTIONS[:2] + CE_OPTIONS[4:]):
         weighted = options[0]

@@ -1,7 +1,9 @@
-"""The numba backend's cross-entropy kernels called directly: forward (loss, lse, row weight and the scaled gradient
-in one kernel, on its cached and looping paths, forced through _tuning) and scale, against the float64 oracle of
-the backend contract (backends/README.md) in tests/harness.py: label smoothing, class weights, softcap, z-loss,
-ignored and invalid targets, in place, grad_scale per row and broadcast, no gradient; float32 and bfloat16."""
+"""The numba backend's cross-entropy kernels called directly, what tests/test_contract.py does not check: the
+gradient rows of invalid targets and the row statistics on each forward path (tuned: rows held in registers while
+the gradient is written, "cached"; looping: rows read and re-read a few elements a thread a step; the paths are
+tests/kernel_paths.py's, on which tests/test_contract.py checks the rest of the contract), the gradient of a slice
+over several blocks, scale, and rows of a vocabulary's size on a GPU; against the float64 oracles of the backend
+contract (backends/README.md) in tests/harness.py, float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 import multisoft_numba
 from harness import DEVICE, ON_GPU, assert_close, assert_row_stats, cross_entropy_contract, row_stats_contract
+from kernel_paths import force, paths
 from multisoft import LossOptions
 from multisoft.check import reference_slice_gradient
 
@@ -20,7 +23,7 @@ pytestmark = pytest.mark.skipif(not HAVE_NUMBA_CUDA or not (ON_GPU or multisoft_
                                 reason="needs numba-cuda and a CUDA device or the simulator (NUMBA_ENABLE_CUDASIM=1)")
 
 DTYPES = [torch.float32, torch.bfloat16]
-PATHS = ["cached", "looping"]
+PATHS = list(paths("numba"))   # tuned (cached, for these rows, with a gradient) and looping
 # (classes, unaligned data, weighted, options): rows read in vectors, one element at a time (odd row length; data
 # one element past an aligned address), and every option at once.
 CASES = {
@@ -43,15 +46,6 @@ def _outputs(rows):
     return tuple(torch.full((rows,), 7.0, device=DEVICE) for _ in range(3))
 
 
-def _force_path(monkeypatch, path):
-    """Cached: rows held in registers (the default for these rows); looping: rows read and re-read in several
-    steps of a few elements."""
-    from multisoft_numba import _tuning
-    if path == "looping":
-        monkeypatch.setattr(_tuning, "CE_CACHED_THREADS", 0)
-        monkeypatch.setattr(_tuning, "CE_UNROLL", 4)
-
-
 def _run(logits, target, weight, grad_logits, grad_scale, options):
     """The numba forward under ``options`` (a LossOptions) into fresh per-row outputs: (loss, lse, row_weight)."""
     from multisoft_numba import cross_entropy
@@ -71,82 +65,23 @@ def _assert_agrees(got, expected, dtype, what):
         assert_close(grad, grad64, dtype, f"{what}: grad_logits", magnitude)
 
 
-@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_and_gradient_agree_with_the_contract(dtype, path, case, monkeypatch):
-    """Loss, lse, row weight and the gradient, with a grad_scale per row and one broadcast to every row."""
-    from multisoft_numba._launch import vector_views
-    _force_path(monkeypatch, path)
-    classes, unaligned, weighted, options = CASES[case]
-    logits, target, weight = _inputs(classes, unaligned, weighted, dtype)
-    width = vector_views((logits,))[1]
-    assert (width == 1) == (unaligned or classes % 2 == 1), width
-    rows = logits.shape[0]
-    before = logits.clone()
-    for grad_scale in (torch.rand(rows, device=DEVICE) + 0.5, torch.full((1,), 0.25, device=DEVICE).expand(rows)):
-        grad = torch.full_like(logits, 7.0)
-        got = _run(logits, target, weight, grad, grad_scale, options)
-        expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
-        _assert_agrees((*got, grad), expected, dtype, f"{case} {path} grad_scale stride {grad_scale.stride(0)}")
-        assert torch.equal(logits, before), "the logits changed"
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_without_a_gradient_the_forward_only_reads(dtype):
-    classes, _, _, options = CASES["everything"]
-    logits, target, weight = _inputs(classes, False, True, dtype)
-    before = logits.clone()
-    got = _run(logits, target, weight, None, None, options)
-    expected = cross_entropy_contract(logits, target, weight, None, options)
-    _assert_agrees((*got, None), expected, dtype, "no gradient")
-    assert torch.equal(_bits_view(logits), _bits_view(before)), "the logits changed"
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_in_place_gradient_equals_the_gradient_into_a_new_buffer(dtype, path, monkeypatch):
-    """grad_logits is logits: every element of a row is read before any of it is written, so the result is the
-    out-of-place gradient, bit for bit (int32 targets here)."""
-    _force_path(monkeypatch, path)
-    classes, _, _, options = CASES["everything"]
-    logits, target, weight = _inputs(classes, False, True, dtype)
-    target = target.int()
-    grad_scale = torch.rand(logits.shape[0], device=DEVICE) + 0.5
-    expected = cross_entropy_contract(logits, target, weight, grad_scale, options)
-    out_of_place = torch.empty_like(logits)
-    stats = _run(logits, target, weight, out_of_place, grad_scale, options)
-    in_place = logits.clone()
-    in_place_stats = _run(in_place, target, weight, in_place, grad_scale, options)
-    assert torch.equal(in_place, out_of_place)
-    for a, b in zip(stats, in_place_stats):
-        assert torch.equal(a, b)
-    _assert_agrees((*in_place_stats, in_place), expected, dtype, f"in place {path}")
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_invalid_targets_give_nan_and_stay_in_bounds(dtype, path, monkeypatch):
-    """Targets past either end: loss NaN, gradient row NaN, nothing read or written outside the rows (sentinel rows
-    around logits and gradient); the row ignored by an ignore_index that is a class: loss 0, row weight 0, gradient
-    0; every row's lse written."""
-    _force_path(monkeypatch, path)
+def test_invalid_targets_give_nan_gradient_rows(dtype, path, monkeypatch):
+    """Targets past either end (not ignore_index, here the class 2): numba writes NaN into their gradient rows, as
+    into their losses; the contract leaves those rows open (NaN preferred), and tests/test_contract.py checks the
+    rest of such a call on each path (the other rows, nothing written out of bounds)."""
+    assert_took = force(monkeypatch, "numba", path)
     rows, classes = 7, 37
-    buffer = torch.full((rows + 2, classes), 7.0, device=DEVICE).to(dtype)
-    logits = buffer[1:-1]
-    logits.copy_(torch.randn(rows, classes, device=DEVICE))
-    grad_buffer = torch.full_like(buffer, 7.0)
-    grad = grad_buffer[1:-1]
+    logits = torch.randn(rows, classes, device=DEVICE).to(dtype)
+    grad = torch.full_like(logits, 7.0)
     target = torch.tensor([3, classes, -1, 5, 2**40, -(2**40), 2], device=DEVICE)   # ignore_index 2
     options = LossOptions(ignore_index=2, label_smoothing=0.1, softcap=0.0, lse_square_scale=1e-2)
-    loss, lse, row_weight = _run(logits, target, None, grad, torch.ones(rows, device=DEVICE), options)
-    assert torch.isfinite(loss[[0, 3]]).all() and loss[6] == 0
-    assert torch.isnan(loss[[1, 2, 4, 5]]).all()
-    assert torch.isnan(grad[[1, 2, 4, 5]]).all() and (grad[6] == 0).all()
-    assert torch.isfinite(grad[[0, 3]]).all() and row_weight[6] == 0
-    assert_close(lse, torch.logsumexp(logits.double(), -1), torch.float32, "lse")
-    assert (buffer[0] == 7).all() and (buffer[-1] == 7).all()
-    assert (grad_buffer[0] == 7).all() and (grad_buffer[-1] == 7).all()
+    loss, _, _ = _run(logits, target, None, grad, torch.ones(rows, device=DEVICE), options)
+    invalid = [1, 2, 4, 5]
+    assert torch.isnan(loss[invalid]).all() and torch.isnan(grad[invalid]).all()
+    assert torch.isfinite(grad[[0, 3]]).all() and (grad[6] == 0).all()
+    assert_took()
 
 
 def _gradient_like(dtype, rows=5, classes=40):
@@ -248,11 +183,11 @@ def test_vocabulary_sized_rows_on_the_gpu(dtype, classes):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_row_stats_on_each_path(dtype, path, case, monkeypatch):
-    """forward(..., row_stats) cached and looping, with and without the gradient: each row's m, S and sum w u
+    """forward(..., row_stats) on each path, with and without the gradient: each row's m, S and sum w u
     (compensated; 0 without label smoothing) against float64, a NaN row among them; loss, lse, row_weight and the
     gradient bit for bit as without row_stats."""
     from multisoft_numba import cross_entropy
-    _force_path(monkeypatch, path)
+    assert_took = force(monkeypatch, "numba", path)
     classes, unaligned, weighted, options = CASES[case]
     logits, target, weight = _inputs(classes, unaligned, weighted, dtype)
     logits[4, 2] = float("nan")
@@ -272,6 +207,7 @@ def test_row_stats_on_each_path(dtype, path, case, monkeypatch):
         assert_row_stats(row_stats, row_stats_contract(logits, weight, options),
                          f"row_stats, {path}, gradient {with_grad}")
         assert torch.isnan(row_stats[:2, 4]).all()
+    assert_took()
 
 
 @pytest.mark.parametrize("case", list(CASES))

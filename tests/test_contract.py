@@ -5,6 +5,8 @@ Every tensor of a kernel call sits inside a larger buffer of sentinels (``Placem
 bit for bit as they went in, outputs must be written in full (they start as NaN, or as a value the contract never
 gives, where NaN is an expected answer) and nowhere outside their own elements. Expected values are the float64
 references of multisoft/check.py, compared at its per-dtype tolerances by tests/harness.py's ``assert_close``.
+The cross-entropy forward's checks (sentinels, invalid targets, the gradient in place) run on every kernel path a
+backend declares in tests/kernel_paths.py, forced by its tuning constants.
 Shapes stay small: the Triton interpreter and numba's simulator run them here.
 """
 
@@ -20,8 +22,9 @@ import sys
 import pytest
 import torch
 
-from harness import (DEVICE, assert_close, assert_row_stats, cross_entropy_contract, on_each_backend,
+from harness import (BACKENDS, DEVICE, assert_close, assert_row_stats, cross_entropy_contract, on_each_backend,
                      row_stats_contract, simulated)
+from kernel_paths import each_path, force
 from multisoft import LossOptions
 from multisoft._blocksparse import lookup_table
 from multisoft._registry import get_backend
@@ -30,6 +33,8 @@ from multisoft.check import (DTYPES, reference_blocksparse, reference_blockspars
                              softmax_backward_magnitude)
 
 each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# every (backend, path) pair of tests/kernel_paths.py: the cross-entropy forward on each of a backend's kernel paths
+on_each_kernel_path = pytest.mark.parametrize("backend, path", each_path(BACKENDS))
 
 NAN, INF = float("nan"), float("inf")
 GUARD = 8                  # sentinel elements after every tensor, and before it unless a test asks for fewer
@@ -298,14 +303,17 @@ def _cross_entropy_forward(backend, logits, target, weight, options, grad=None, 
 
 @pytest.mark.parametrize("case", list(CROSS_ENTROPY_CASES), ids=str)
 @each_dtype
-@on_each_backend
-def test_cross_entropy_forward(backend, dtype, case):
-    """Without a gradient: loss (0 for an ignored row; plus the z-loss otherwise), lse of the capped logits (every
-    row, ignored ones too) and row_weight (w[t], 0 when ignored) all written, the logits only read. loss and lse
-    are float32 from float32 arithmetic on the logits as given: the float32 tolerance whatever their dtype."""
+@on_each_kernel_path
+def test_cross_entropy_forward(backend, path, dtype, case, monkeypatch):
+    """Without a gradient, on each kernel path: loss (0 for an ignored row; plus the z-loss otherwise), lse of the
+    capped logits (every row, ignored ones too) and row_weight (w[t], 0 when ignored) all written, the logits only
+    read. loss and lse are float32 from float32 arithmetic on the logits as given: the float32 tolerance whatever
+    their dtype."""
     _skip_unless_runs(backend, dtype)
+    assert_took = force(monkeypatch, backend, path)
     logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[case])
     loss, lse, row_weight, _ = _cross_entropy_forward(backend, logits, target, weight, options)
+    assert_took(at_least_once=False)   # (without a gradient numba has one path)
     expected = cross_entropy_contract(logits, target, weight, options=options)
     assert_close(loss, expected.loss, torch.float32, "loss")
     assert_close(lse, expected.lse, torch.float32, "lse")
@@ -329,12 +337,14 @@ CROSS_ENTROPY_GRADIENT_CASES = {
 
 @pytest.mark.parametrize("case", list(CROSS_ENTROPY_GRADIENT_CASES), ids=str)
 @each_dtype
-@on_each_backend
-def test_cross_entropy_forward_with_gradient(backend, dtype, case):
-    """grad_logits = grad_scale[i] * d loss_i / d logits (0 for ignored rows) into a tensor of its own or into the
-    logits (each row read before it is overwritten), with the same loss, lse and row_weight as without it;
-    grad_scale contiguous or one value at stride 0, which gives exactly what that value repeated per row gives."""
+@on_each_kernel_path
+def test_cross_entropy_forward_with_gradient(backend, path, dtype, case, monkeypatch):
+    """On each kernel path, grad_logits = grad_scale[i] * d loss_i / d logits (0 for ignored rows) into a tensor of
+    its own or into the logits (each element read before it is overwritten: bit for bit what a tensor of its own
+    gets), with the same loss, lse and row_weight as without it; grad_scale contiguous or one value at stride 0,
+    which gives exactly what that value repeated per row gives."""
     _skip_unless_runs(backend, dtype)
+    assert_took = force(monkeypatch, backend, path)
     inputs, broadcast, in_place = CROSS_ENTROPY_GRADIENT_CASES[case]
     logits, target, weight, options = _cross_entropy_inputs(dtype, **CROSS_ENTROPY_CASES[inputs])
     rows = logits.shape[0]
@@ -354,6 +364,12 @@ def test_cross_entropy_forward_with_gradient(backend, dtype, case):
     if broadcast:
         *_, per_row = _cross_entropy_forward(backend, logits, target, weight, options, mode, grad_scale, False)
         assert torch.equal(grad, per_row), "a grad_scale at stride 0 must give what one value per row gives"
+    if in_place:
+        separate = _cross_entropy_forward(backend, logits, target, weight, options, "separate", grad_scale, broadcast)
+        for name, value, into_its_own in zip(("loss", "lse", "row_weight", "grad_logits"),
+                                             (loss, lse, row_weight, grad), separate):
+            assert torch.equal(_bits(value), _bits(into_its_own)), f"{name} in place differs from into a tensor"
+    assert_took()
 
 
 def _check_scale(backend, dtype, factor_values, lead=GUARD):
@@ -538,11 +554,12 @@ def _invalid_targets(target_dtype, classes):
 
 
 @pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32], ids=str)
-@on_each_backend
-def test_cross_entropy_invalid_targets(backend, target_dtype):
-    """A target outside [0, C) that is not ignore_index: a NaN loss for its row (the other rows right, lse right for
-    every row); its gradient row is unspecified but written in bounds, here into the logits themselves, which sit
-    between sentinels."""
+@on_each_kernel_path
+def test_cross_entropy_invalid_targets(backend, path, target_dtype, monkeypatch):
+    """On each kernel path, a target outside [0, C) that is not ignore_index: a NaN loss for its row (the other rows
+    right, lse right for every row); its gradient row is unspecified but written in bounds, here into the logits
+    themselves, which sit between sentinels."""
+    assert_took = force(monkeypatch, backend, path)
     classes = 37
     target = _invalid_targets(target_dtype, classes)
     rows = target.numel()
@@ -563,6 +580,7 @@ def test_cross_entropy_invalid_targets(backend, target_dtype):
         assert torch.equal(row_weight[known], expected.row_weight[known].float())
         if grad is not None:
             assert_close(grad_logits[known], expected.grad[known], torch.float32, "gradient of the other rows")
+    assert_took()
 
 
 # -- cross_entropy.py, a slice of the classes (vocabulary-parallel): row_stats and gradient

@@ -12,7 +12,8 @@ vocabulary (one rank's bias all -inf), a rank with no classes, ``nn.LinearCrossE
 called, and the argument errors that need a group.
 
 As in tests/test_vocab_parallel.py each test spawns its processes once and runs all its cases there: a rank
-records every failing case and raises them together at the end.
+records every failing case and raises them together at the end (tests/distributed_harness.py: the spawning,
+joining and reporting both files share).
 """
 
 from __future__ import annotations
@@ -20,20 +21,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import multisoft
+from distributed_harness import (GATHERS, REDUCTIONS, WIDTHS, WIDTHS_WITH_AN_EMPTY_RANK, Ranks, Report, cannot_run,
+                                 counting_collectives, exit_at_once, incoming_gradient, join_group,
+                                 no_host_synchronisation, raises, spawn)
 from harness import assert_close, backends_under_test, simulated
 from multisoft._registry import get_backend
 from multisoft.check import reference_cross_entropy
-from test_vocab_parallel import (GATHERS, _counting_collectives, _exit_at_once, _incoming, _join,
-                                 _no_host_synchronisation, _raises, _Report)
 
 HIDDEN = 8
-WIDTHS = {2: (5, 8), 3: (4, 7, 6)}     # uneven slices of 13 and 17 classes
-WIDTHS_WITH_AN_EMPTY_RANK = (6, 0, 5)
-REDUCTIONS = ("mean", "sum", "none")
 
 CASES = {
     # shape: the target's (input is that and HIDDEN); chunk_size below the rows: several chunks, the last shorter
@@ -50,18 +48,6 @@ CASES = {
 def _slices(widths):
     """Every rank's (start, width) among the classes."""
     return [(sum(widths[:rank]), width) for rank, width in enumerate(widths)]
-
-
-class _Ranks:
-    """This rank's view of a group and its slice: the rows [start, start + width) of the whole output layer."""
-
-    def __init__(self, group, widths):
-        self.group, self.widths = group, widths
-        self.rank = dist.get_rank(group)
-        self.start, self.width = _slices(widths)[self.rank]
-
-    def part(self, whole: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return whole.narrow(dim, self.start, self.width)
 
 
 def _inputs(spec, dtype, widths, device, seed):
@@ -131,7 +117,7 @@ def _compare(what, spec, dtype, reduction, return_lse, backend, ranks, device, s
         assert_close(value, unsplit_value, dtype, f"{what}: {name} against the unsplit call")
         assert_close(value, reference, dtype, f"{what}: {name} against float64")
 
-    incoming = [_incoming(value, seed + i) for i, value in enumerate(outputs)]
+    incoming = [incoming_gradient(value, seed + i) for i, value in enumerate(outputs)]
     present = [i for i, leaf in enumerate(mine) if leaf is not None]
     grads = torch.autograd.grad(outputs, [mine[i] for i in present], incoming)
     unsplit_grads = torch.autograd.grad(unsplit, [unsplit_leaves[i] for i in present], incoming)
@@ -151,15 +137,11 @@ def _compare(what, spec, dtype, reduction, return_lse, backend, ranks, device, s
         assert_close(grad, sliced(expected_grad), dtype, f"{what}: gradient of {name} against float64", magnitude)
 
 
-def _cannot_run(backend, dtypes, device):
-    raise AssertionError(f"{backend} cannot run any of {dtypes} on {device}: nothing was checked")
-
-
 def _every_option(report, ranks, backends, plan, device):
     for backend in backends:
         runnable = [dtype for dtype in plan["dtypes"] if get_backend(backend).unavailable_reason(device, dtype) is None]
         if not runnable:
-            report(f"{backend} on {device}", _cannot_run, backend, plan["dtypes"], device)
+            report(f"{backend} on {device}", cannot_run, backend, plan["dtypes"], device)
         for dtype in runnable:
             for case in plan["cases"]:
                 for reduction in plan["reductions"]:
@@ -193,7 +175,7 @@ def _collectives(report, ranks, backend, device):
                                                    ("none", False, ["all_reduce"]),
                                                    ("none", True, ["all_reduce"])):
         calls = []
-        with _counting_collectives(calls), _no_host_synchronisation(device):
+        with counting_collectives(calls), no_host_synchronisation(device):
             loss, lse = forward(reduction)
             forward_calls = list(calls)
             (loss.sum() + (lse.sum() if through_lse else 0.0)).backward()
@@ -240,30 +222,30 @@ def _argument_errors(report, ranks, backend, device):
     part = ranks.part(whole_weight)
     classes = whole_weight.shape[0]
     call = multisoft.linear_cross_entropy
-    _raises(ValueError, rf"weight must have shape \({classes},\)", call, x, part, target,
-            weight=ranks.part(weight), process_group=ranks.group, backend=backend)
-    _raises(ValueError, rf"linear_bias must have shape \({ranks.width},\)", call, x, part, target,
-            linear_bias=whole_bias, process_group=ranks.group, backend=backend)
-    _raises(TypeError, "process_group must be a torch.distributed ProcessGroup", call, x, part, target,
-            process_group="world", backend=backend)
+    raises(ValueError, rf"weight must have shape \({classes},\)", call, x, part, target,
+           weight=ranks.part(weight), process_group=ranks.group, backend=backend)
+    raises(ValueError, rf"linear_bias must have shape \({ranks.width},\)", call, x, part, target,
+           linear_bias=whole_bias, process_group=ranks.group, backend=backend)
+    raises(TypeError, "process_group must be a torch.distributed ProcessGroup", call, x, part, target,
+           process_group="world", backend=backend)
     if device.type == "cpu":  # torch's IndexError for a target outside the V classes, before any collective
         outside = target.clone()
         outside[1] = classes
-        _raises(IndexError, f"Target {classes} is out of bounds", call, x, part, outside, process_group=ranks.group,
-                backend=backend)
+        raises(IndexError, f"Target {classes} is out of bounds", call, x, part, outside, process_group=ranks.group,
+               backend=backend)
     mesh = init_device_mesh(device.type, (len(ranks.widths),))
     sharded = distribute_tensor(whole_weight, mesh, [Shard(0)])
-    _raises(TypeError, "linear_weight is a DTensor", call, x, sharded, target, process_group=ranks.group,
-            backend=backend)
+    raises(TypeError, "linear_weight is a DTensor", call, x, sharded, target, process_group=ranks.group,
+           backend=backend)
     empty = dist.new_group(list(range(len(ranks.widths))))
-    _raises(ValueError, "linear_weight has no rows on any rank of process_group", call, x,
-            whole_weight[:0], target, process_group=empty, backend=backend)
+    raises(ValueError, "linear_weight has no rows on any rank of process_group", call, x,
+           whole_weight[:0], target, process_group=empty, backend=backend)
 
 
 def _empty_rank(report, widths, backend, device):
     """A rank with no classes, in a new group (its slices are learned afresh): it still takes part, gets the
     loss and input's whole gradient; its gradients of linear_weight and linear_bias are empty."""
-    ranks = _Ranks(dist.new_group(list(range(len(widths)))), widths)
+    ranks = Ranks(dist.new_group(list(range(len(widths)))), widths, class_dim=0)   # slices of the layer's rows
     for reduction in REDUCTIONS:
         what = f"a rank without classes, {reduction}"
         _compare(what, CASES["everything"], torch.float32, reduction, True, backend, ranks, device, 61)
@@ -273,10 +255,10 @@ EXTRAS = (_collectives, _module, _argument_errors)
 
 
 def _worker(rank, world, rendezvous, plan):
-    device = _join(rank, world, rendezvous, plan)
+    device = join_group(rank, world, rendezvous, plan)
     try:
-        report = _Report(rank)
-        ranks = _Ranks(dist.group.WORLD, WIDTHS[world])
+        report = Report(rank)
+        ranks = Ranks(dist.group.WORLD, WIDTHS[world], class_dim=0)   # slices of the output layer's rows
         _every_option(report, ranks, plan["backends"], plan, device)
         for backend in plan["backends"] if plan["extras"] else ():
             for check in EXTRAS:
@@ -286,14 +268,14 @@ def _worker(rank, world, rendezvous, plan):
         report.raise_failures()
     finally:
         dist.destroy_process_group()
-    _exit_at_once()
+    exit_at_once()
 
 
 def _spawn(tmp_path, world, **plan):
     plan = {**dict(device="cpu", distributed_backend="gloo", dtypes=(torch.float32, torch.bfloat16),
                    cases=tuple(CASES), reductions=REDUCTIONS, return_lse=(False, True), extras=True,
                    timeout_s=300), **plan}
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), plan), nprocs=world, join=True)
+    spawn(_worker, tmp_path, world, plan)
 
 
 @pytest.mark.parametrize("world", [2, 3])

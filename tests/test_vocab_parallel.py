@@ -10,35 +10,29 @@ argument errors that need a group.
 
 Every spawned process imports torch, so each test spawns its processes once and runs all its cases there: a
 rank records every failing case and raises them together at the end, which torch.multiprocessing.spawn raises
-here.
+here (tests/distributed_harness.py: the spawning, joining and reporting this file shares with
+tests/test_linear_vocab_parallel.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import gc
-import os
 import re
-import sys
-import traceback
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import multisoft
+from distributed_harness import (GATHERS, REDUCTIONS, WIDTHS, WIDTHS_WITH_AN_EMPTY_RANK, Ranks, Report, cannot_run,
+                                 counting_collectives, exit_at_once, incoming_gradient, join_group,
+                                 no_host_synchronisation, raises, spawn)
 from harness import assert_close, backends_under_test, float16_gradient_error_ratio, simulated
 from multisoft._registry import get_backend
 from multisoft.check import reference_cross_entropy
 
 ROWS = 7
-WIDTHS = {2: (5, 8), 3: (4, 7, 6)}     # uneven slices of 13 and 17 classes
-WIDTHS_WITH_AN_EMPTY_RANK = (6, 0, 5)
-REDUCTIONS = ("mean", "sum", "none")
-GATHERS = ("all_gather_single", "all_gather_into_tensor")
 NAN, INF = float("nan"), float("inf")
 
 CASES = {
@@ -78,27 +72,6 @@ def _options(spec, weight, reduction):
                 lse_square_scale=spec.get("lse_square_scale", 0.0))
 
 
-def _incoming(like, seed):
-    """An incoming gradient of ``like``'s shape, the same on every rank: one value of 2.5, or one per row."""
-    if like.ndim == 0:
-        return torch.full_like(like, 2.5)
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.rand(like.shape, generator=generator) + 0.5).to(like.device, like.dtype)
-
-
-class _Ranks:
-    """This rank's view of a group and its slice: the columns [start, start + width) of the whole logits."""
-
-    def __init__(self, group, widths):
-        self.group, self.widths = group, widths
-        self.rank = dist.get_rank(group)
-        self.start = sum(widths[:self.rank])
-        self.width = widths[self.rank]
-
-    def part(self, whole: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return whole.narrow(dim, self.start, self.width)
-
-
 def _compare(what, whole, target, options, backend, ranks, return_lse, seed):
     """Loss, lse and this rank's slice of the gradient (through the loss, and through the lse with
     ``return_lse``) against the unsplit call on the same backend and against the float64 reference."""
@@ -115,7 +88,7 @@ def _compare(what, whole, target, options, backend, ranks, return_lse, seed):
     for name, value, unsplit_value, reference in zip(("loss", "lse"), outputs, unsplit, expected):
         assert_close(value, unsplit_value, dtype, f"{what}: {name} against the unsplit call")
         assert_close(value, reference, dtype, f"{what}: {name} against float64")
-    incoming = [_incoming(value, seed + i) for i, value in enumerate(outputs)]
+    incoming = [incoming_gradient(value, seed + i) for i, value in enumerate(outputs)]
     (grad,) = torch.autograd.grad(outputs, part, incoming)
     (unsplit_grad,) = torch.autograd.grad(unsplit, unsplit_logits, incoming)
     through = [torch.autograd.grad(reference, logits64, g.double(), retain_graph=True)[0]
@@ -126,15 +99,11 @@ def _compare(what, whole, target, options, backend, ranks, return_lse, seed):
     assert_close(grad, ranks.part(sum(through)), dtype, f"{what}: gradient against float64", magnitude)
 
 
-def _cannot_run(backend, dtypes, device):
-    raise AssertionError(f"{backend} cannot run any of {dtypes} on {device}: nothing was checked")
-
-
 def _every_option(report, ranks, backends, dtypes, cases, device):
     for backend in backends:
         runnable = [dtype for dtype in dtypes if get_backend(backend).unavailable_reason(device, dtype) is None]
         if not runnable:
-            report(f"{backend} on {device}", _cannot_run, backend, dtypes, device)
+            report(f"{backend} on {device}", cannot_run, backend, dtypes, device)
         for dtype in runnable:
             for case in cases:
                 spec = CASES[case]
@@ -165,7 +134,7 @@ def _three_dimensional(report, ranks, backend, device):
         expected, expected_lse = reference_cross_entropy(logits64, target, return_lse=True, **options)
         assert_close(loss, expected, torch.float32, f"(N, C, d) {reduction}: loss")
         assert_close(lse, expected_lse, torch.float32, f"(N, C, d) {reduction}: lse")
-        incoming = _incoming(loss, 5)
+        incoming = incoming_gradient(loss, 5)
         (grad,) = torch.autograd.grad(loss, part, incoming)
         (expected_grad,) = torch.autograd.grad(expected, logits64, incoming.double())
         assert_close(grad, ranks.part(expected_grad), torch.float32, f"(N, C, d) {reduction}: gradient")
@@ -193,7 +162,7 @@ def _targets_outside_the_classes(report, ranks, backend, device):
         assert_close(loss, expected, torch.float32, "loss after a refused call")
         return
     loss = multisoft.cross_entropy(part, target, backend=backend, process_group=ranks.group, **options)
-    incoming = _incoming(loss, 4)
+    incoming = incoming_gradient(loss, 4)
     (grad,) = torch.autograd.grad(loss, part, incoming)
     assert loss[bad].isnan().all(), f"losses of targets outside the classes: {loss[bad].tolist()}"
     assert grad[bad].isnan().all(), "the gradient rows of targets outside the classes are not all NaN"
@@ -285,54 +254,9 @@ def _dtensor(report, ranks, backend, device):
         # whole gradient either way
         assert_close(sharded.grad.full_tensor(), expected_grad, torch.float32, f"DTensor {placement}: gradient")
     replicated = distribute_tensor(whole, mesh, [Replicate()])
-    _raises(ValueError, "sharded on its class dimension", multisoft.cross_entropy, replicated, target)
-    _raises(ValueError, "target is a DTensor but input is not", multisoft.cross_entropy, ranks.part(whole),
-            distribute_tensor(target, mesh, [Replicate()]), process_group=ranks.group)
-
-
-COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "reduce_scatter_tensor",
-               "reduce_scatter", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier", "send",
-               "recv", "isend", "irecv")
-
-
-@contextlib.contextmanager
-def _counting_collectives(calls: list):
-    """Appends the name of every torch.distributed collective called (the outermost, where one calls another)."""
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    depth = [0]
-
-    def counting(name, collective):
-        def call(*args, **kwargs):
-            if not depth[0]:
-                calls.append(name)
-            depth[0] += 1
-            try:
-                return collective(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return call
-
-    try:
-        for name, collective in originals.items():
-            setattr(dist, name, counting(name, collective))
-        yield
-    finally:
-        for name, collective in originals.items():
-            setattr(dist, name, collective)
-
-
-@contextlib.contextmanager
-def _no_host_synchronisation(device):
-    """On CUDA, any operation that waits for the device raises (torch's sync debug mode)."""
-    if device.type != "cuda":
-        yield
-        return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
+    raises(ValueError, "sharded on its class dimension", multisoft.cross_entropy, replicated, target)
+    raises(ValueError, "target is a DTensor but input is not", multisoft.cross_entropy, ranks.part(whole),
+           distribute_tensor(target, mesh, [Replicate()]), process_group=ranks.group)
 
 
 def _communication(report, ranks, backend, device):
@@ -351,7 +275,7 @@ def _communication(report, ranks, backend, device):
     loss, lse = forward()  # learns the slices, and compiles and tunes the kernels, outside the measurement
     (loss + lse.sum()).backward()
     calls = []
-    with _counting_collectives(calls), _no_host_synchronisation(device):
+    with counting_collectives(calls), no_host_synchronisation(device):
         loss, lse = forward()
         forward_calls = list(calls)
         (loss + lse.sum()).backward()
@@ -370,7 +294,7 @@ def _a_slicing_changed_on_some_ranks(report, ranks, backend, device):
 
     def loss_of(widths, seed):
         whole, target, _ = _inputs(CASES["plain"], torch.float32, widths, device, seed)
-        slicing = _Ranks(group, widths)
+        slicing = Ranks(group, widths)
         loss = multisoft.cross_entropy(slicing.part(whole), target, backend=backend, process_group=group,
                                        **options)
         assert_close(loss, reference_cross_entropy(whole.double(), target, **options), torch.float32,
@@ -387,26 +311,21 @@ def _a_slicing_changed_on_some_ranks(report, ranks, backend, device):
     loss_of(ranks.widths, 85)
 
 
-def _raises(error, pattern, call, *args, **kwargs):
-    with pytest.raises(error, match=pattern):
-        call(*args, **kwargs)
-
-
 def _argument_errors(report, ranks, backend, device):
     whole, target, weight = _inputs(CASES["weighted-ignored"], torch.float32, ranks.widths, device, 51)
     part = ranks.part(whole)
     classes = whole.shape[1]
-    _raises(ValueError, rf"weight must have shape \({classes},\)", multisoft.cross_entropy, part, target,
-            ranks.part(weight, 0), process_group=ranks.group, backend=backend)
-    _raises(ValueError, "target must hold class indices", multisoft.cross_entropy, part,
-            torch.softmax(part, -1), process_group=ranks.group, backend=backend)
+    raises(ValueError, rf"weight must have shape \({classes},\)", multisoft.cross_entropy, part, target,
+           ranks.part(weight, 0), process_group=ranks.group, backend=backend)
+    raises(ValueError, "target must hold class indices", multisoft.cross_entropy, part,
+           torch.softmax(part, -1), process_group=ranks.group, backend=backend)
 
 
 def _empty_rank(report, widths, backend, device):
     """A rank with no classes, in a new group (its slices are learned afresh): it still takes part and gets the
     loss; its gradient is empty."""
     group = dist.new_group(list(range(len(widths))))
-    ranks = _Ranks(group, widths)
+    ranks = Ranks(group, widths)
     spec = CASES["everything"]
     whole, target, weight = _inputs(spec, torch.float32, widths, device, 61)
     for reduction in REDUCTIONS:
@@ -414,58 +333,11 @@ def _empty_rank(report, widths, backend, device):
                  ranks, True, 62)
 
 
-class _Report:
-    """Runs checks, records each failure (with its traceback) instead of stopping at the first."""
-
-    def __init__(self, rank):
-        self.rank, self.checked, self.failures = rank, [], []
-
-    def __call__(self, what, check, *args):
-        self.checked.append(what)
-        try:
-            check(*args)
-        except Exception:  # every failure of every case, reported together at the end
-            self.failures.append(f"[rank {self.rank}] {what}:\n{traceback.format_exc()}")
-
-    def raise_failures(self):
-        if self.failures:
-            raise AssertionError(f"{len(self.failures)} of {len(self.checked)} checks failed:\n"
-                                 + "\n".join(self.failures))
-
-
-def _join(rank, world, rendezvous, plan):
-    """Joins this spawned process to the group (``plan``: its torch.distributed backend, and "cuda" for a GPU of
-    its own per rank, else the CPU); returns its device."""
-    # torch._dynamo, which multisoft's first vocabulary-parallel call imports (torch.compiler.disable), keeps the
-    # default group alive past dist.destroy_process_group() when first imported while that group exists (torch
-    # 2.13); a gloo group alive at the interpreter's exit can abort the process
-    # (test_gloo_a_destroyed_group_is_not_kept_alive)
-    import torch._dynamo  # noqa: F401
-    if plan["device"] == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(plan["distributed_backend"], init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=plan["timeout_s"]))
-    return device
-
-
-def _exit_at_once():
-    """Ends a worker whose checks passed without the interpreter's finalization. A DTensor's collectives leave
-    torch holding the default group after ``dist.destroy_process_group()`` (torch 2.13, without multisoft too),
-    so its gloo threads run into the finalization, where one dropping a finished collective's tensors aborts the
-    process ("terminate called without an active exception"). A failed check raises before this."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _worker(rank, world, rendezvous, plan):
-    device = _join(rank, world, rendezvous, plan)
+    device = join_group(rank, world, rendezvous, plan)
     try:
-        report = _Report(rank)
-        ranks = _Ranks(dist.group.WORLD, WIDTHS[world])
+        report = Report(rank)
+        ranks = Ranks(dist.group.WORLD, WIDTHS[world])
         _every_option(report, ranks, plan["backends"], plan["dtypes"], plan["cases"], device)
         for backend in plan["backends"] if plan["extras"] else ():
             for check in (_three_dimensional, _targets_outside_the_classes, _in_place, _float16_under_a_loss_scale,
@@ -486,13 +358,13 @@ def _worker(rank, world, rendezvous, plan):
         report.raise_failures()
     finally:
         dist.destroy_process_group()
-    _exit_at_once()
+    exit_at_once()
 
 
 def _spawn(tmp_path, world, **plan):
     plan = {**dict(device="cpu", distributed_backend="gloo", dtypes=(torch.float32, torch.bfloat16),
                    cases=tuple(CASES), extras=True, timeout_s=300), **plan}
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), plan), nprocs=world, join=True)
+    spawn(_worker, tmp_path, world, plan)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -523,7 +395,7 @@ def test_nccl_every_backend_matches_the_unsplit_call(tmp_path):
 
 
 def _release_worker(rank, world, rendezvous, plan):
-    device = _join(rank, world, rendezvous, plan)
+    device = join_group(rank, world, rendezvous, plan)
     groups = [dist.group.WORLD, dist.new_group(list(range(world)))]
     logits = torch.randn(3, WIDTHS[world][rank], device=device)
     for group in groups:
@@ -539,5 +411,4 @@ def test_gloo_a_destroyed_group_is_not_kept_alive(tmp_path):
     """multisoft keeps no process group alive after ``dist.destroy_process_group()`` (the default group nor a new
     one): a group kept alive keeps its communication threads running into the interpreter's exit, where one that
     drops a finished collective's tensors aborts the process ("terminate called without an active exception")."""
-    plan = dict(device="cpu", distributed_backend="gloo", timeout_s=120)
-    mp.spawn(_release_worker, args=(2, str(tmp_path / "rendezvous"), plan), nprocs=2, join=True)
+    spawn(_release_worker, tmp_path, 2, dict(device="cpu", distributed_backend="gloo", timeout_s=120))
