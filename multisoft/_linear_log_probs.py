@@ -208,8 +208,9 @@ def linear_log_probs(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     them, and accumulates the gradients of ``input``, ``linear_weight`` and ``linear_bias`` (four matrix products
     in all). Peak memory beyond the gradients: one chunk of logits. A row's results given its logits are bitwise
     the same whatever the batch (as ``log_probs``'s), but the logits themselves are torch's matmul's, whose bits
-    may depend on the number of rows in a chunk (cuBLAS picks its algorithm per shape). Double backward, forward-mode AD and
-    ``torch.func`` transforms are not supported (they raise). Works under ``torch.compile(fullgraph=True)``.
+    may depend on the number of rows in a chunk (cuBLAS picks its algorithm per shape). Double backward,
+    forward-mode AD and ``torch.func`` transforms are not supported (they raise). Works under
+    ``torch.compile(fullgraph=True)``.
 
     ``process_group`` (a ``torch.distributed`` process group of P ranks): vocabulary-parallel, as
     ``linear_cross_entropy``'s. ``linear_weight`` (V_r, H) and ``linear_bias`` (V_r,) are this rank's contiguous
