@@ -122,13 +122,15 @@ def test_reference_by_name_is_float64_rounded_once():
 def test_reference_gives_nan_for_invalid_targets_and_float64_elsewhere(targets_unchecked_on_the_cpu):
     """A target outside [0, C) that is not ignore_index gives its row a NaN loss and a NaN gradient row (the backend
     contract: never an exception, which would need the targets read on the host); every other row is float64
-    torch's result rounded once, and so is its gradient (the losses' sum: the forward's gradient, scaled by 1)."""
+    torch's result rounded once, and so is its gradient (of a sum: the forward's gradient, scaled by 1; a
+    reduction="none" gradient is computed in the backward from the forward's float32 max and sum of exponentials,
+    whose rounding it then carries)."""
     logits = torch.randn(4, 10, device=DEVICE) * 3
     target = torch.tensor([0, 10, -100, -1], device=DEVICE)
     valid, invalid = [0, 2], [1, 3]
     buffer = logits.clone().requires_grad_()
-    loss = multisoft.cross_entropy(buffer, target, reduction="none", backend="reference")
-    loss.sum().backward()
+    loss = multisoft.cross_entropy(buffer.detach(), target, reduction="none", backend="reference")
+    multisoft.cross_entropy(buffer, target, reduction="sum", backend="reference").backward()
     assert loss[invalid].isnan().all(), loss
     assert buffer.grad[invalid].isnan().all(), buffer.grad[invalid]
     logits64 = logits[valid].double().requires_grad_()

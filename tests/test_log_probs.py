@@ -75,7 +75,8 @@ def test_ignored_ids_and_masked_classes(backend):
     (picked.sum() + entropy.sum()).backward()
     assert torch.isfinite(leaf.grad).all()
     assert (leaf.grad[1, ::2] == 0).all()
-    expected, size = reference_log_probs_gradient(logits, target, torch.ones(4, 2), torch.ones(4), ignore_index=0)
+    expected, size = reference_log_probs_gradient(logits, target, torch.ones(4, 2, device=DEVICE),
+                                                  torch.ones(4, device=DEVICE), ignore_index=0)
     assert_close(leaf.grad, expected, torch.float32, "gradient", size)
 
 
