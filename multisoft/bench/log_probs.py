@@ -51,15 +51,7 @@ def memory_needed(shape: tuple, dtype_name: str) -> int:
 
 def too_big(shape: tuple, dtype_name: str, device) -> str:
     """Why a case is skipped on ``device`` (it would not fit in the GPU's memory); "" when it is not."""
-    import torch
-
-    if device.type != "cuda":
-        return ""
-    total = torch.cuda.get_device_properties(device).total_memory
-    needed = memory_needed(shape, dtype_name)
-    if needed <= total:
-        return ""
-    return f"skipped: needs about {needed / 2**30:.0f} GiB, the GPU has {total / 2**30:.0f} GiB"
+    return plan.memory_shortfall(memory_needed(shape, dtype_name), device)
 
 
 # -- the implementations: make(op, inputs) gives f(logits, entropy) -> log_probs (M,), or with ``entropy``

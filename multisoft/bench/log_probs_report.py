@@ -8,23 +8,20 @@ from .cells import as_shown
 from .impls import LIGER_PEER
 from .linear_report import TIME_TARGET, verdict
 from .log_probs import FLOOR_PASSES, TEMPERATURE
+from .plan import DEFAULT_TARGET, TARGETS, target_of
 from .records import LinearLogProbsRecord, LogProbsRecord
 
 ENTROPY_TARGET = 0.05  # what the entropy may add to a backend's forward+backward (kernel time), less than this
 
 
 def speed_target(impl: str) -> float | None:
-    """A backend's fraction-of-copy target: the one the main tables hold it to (report.target_of: 0.90, numba
+    """A backend's fraction-of-copy target: the one the main tables hold it to (plan.target_of: 0.90, numba
     0.80, none for the torch backend)."""
-    from .report import target_of  # report imports this module
-
     return target_of(impl)
 
 
 def speed_targets_text() -> str:
     """The speed targets as results.md states them: "0.90 (numba 0.80; none for the torch backend)"."""
-    from .report import DEFAULT_TARGET, TARGETS
-
     others = [f"{name} {target:.2f}" for name, target in TARGETS.items() if target is not None]
     others += [f"none for the {name} backend" for name, target in TARGETS.items() if target is None]
     return f"{DEFAULT_TARGET:.2f}" + (f" ({'; '.join(others)})" if others else "")

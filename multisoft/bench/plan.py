@@ -193,3 +193,27 @@ def plan_cases(ops: list[str], quick: bool, headline: bool = False) -> dict[str,
         elif op == "blocksparse_softmax":
             plan[op] = blocksparse_cases(QUICK_LAYOUTS if quick else LAYOUTS)
     return plan
+
+
+# The backends' speed targets, as a fraction of the copy bandwidth: this many for these backends (None: no target;
+# the torch backend is PyTorch's own ops), DEFAULT_TARGET for any other.
+TARGETS = {"numba": 0.80, "torch": None}
+DEFAULT_TARGET = 0.90
+
+
+def target_of(impl: str) -> float | None:
+    """The speed target of a backend, or of its variant ("numba inplace": numba's)."""
+    return TARGETS.get(impl.split()[0], DEFAULT_TARGET)
+
+
+def memory_shortfall(needed: int, device) -> str:
+    """Why a case that holds ``needed`` bytes at once is skipped on ``device`` (more than the GPU's memory); ""
+    when it fits, or off a GPU."""
+    import torch
+
+    if device.type != "cuda":
+        return ""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if needed <= total:
+        return ""
+    return f"skipped: needs about {needed / 2**30:.0f} GiB, the GPU has {total / 2**30:.0f} GiB"

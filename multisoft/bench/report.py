@@ -10,6 +10,7 @@ import collections
 from pathlib import Path
 
 from . import plan
+from .plan import target_of
 from .cells import as_shown, fraction_cell, impl_order, number
 from .headline import headline_section, host_time_section
 from .linear_report import linear_section
@@ -19,11 +20,8 @@ from .records import (BYTES_COUNTED, COPY_AT_END, LIGER_LOG_PROBS, Results, Shor
 from .train_step_report import train_step_section
 from .vocab_parallel_report import vocab_parallel_section
 
-# The backends' speed targets, as a fraction of the copy bandwidth: this many for these backends (None: no target;
-# the torch backend is PyTorch's own ops), DEFAULT_TARGET for any other, over the directions of each op that
+# The backends' speed targets (plan.TARGETS, plan.DEFAULT_TARGET) hold over the directions of each op that
 # TARGET_DIRECTIONS names, on the headline shapes, the cross-entropy shapes and the block-sparse layouts.
-TARGETS = {"numba": 0.80, "torch": None}
-DEFAULT_TARGET = 0.90
 TARGET_DIRECTIONS = {"softmax": ("forward", "backward"), "log_softmax": ("forward", "backward"),
                      "cross_entropy": ("forward+backward",), "blocksparse_softmax": ("forward", "backward")}
 NO_REASON = "no reason on record"
@@ -109,11 +107,6 @@ def _problems(timings: list[Timing]) -> list[str]:
     ordered = sorted(cells.items(), key=lambda item: not item[0][1].startswith("error"))
     return [f"- {impl}: {note} ({where[0]}{f' and {len(where) - 1} more' if len(where) > 1 else ''})"
             for (impl, note), where in ordered]
-
-
-def target_of(impl: str) -> float | None:
-    """The speed target of a backend, or of its variant ("numba inplace": numba's)."""
-    return TARGETS.get(impl.split()[0], DEFAULT_TARGET)
 
 
 def _shortfall_note(timing: Timing, target: float, copy_bound: float | None,
