@@ -256,20 +256,16 @@ def run_case(runner, chosen: list[Impl], shape: tuple, dtype_name: str, timer: C
                   logits_gib=rows * classes * size / 2**30)
     products = LinearRecord(PRODUCTS, "floor", **common)
     records = [products] + [LinearRecord(impl.name, impl.role, **common) for impl in chosen]
-    reason = too_big(shape, dtype_name, runner.device)
-    inputs = expected = None
-    if not reason:
-        try:
-            inputs = make_inputs(shape, dtype_name, runner.device)
-            expected = reference(inputs["x"], inputs["w"], inputs["target"])
-        except Exception as error:  # noqa: BLE001 - e.g. out of memory: every record gets the note
-            reason = describe_error(error)
-            timing.recover()
-    if reason:
-        for record in records:
-            runner.progress.step(f"{OP} {dtype_name} {record.shape} {record.impl}")
-            record.note = reason
+
+    def inputs_and_reference():
+        inputs = make_inputs(shape, dtype_name, runner.device)
+        return inputs, reference(inputs["x"], inputs["w"], inputs["target"])
+
+    prepared = timing.case_inputs(runner, OP, dtype_name, records, too_big(shape, dtype_name, runner.device),
+                                  inputs_and_reference)
+    if prepared is None:
         return records
+    inputs, expected = prepared
     runner.progress.step(f"{OP} {dtype_name} {products.shape} {PRODUCTS}")
     _measure_products(runner, products, inputs, timer)
     for impl, record in zip(chosen, records[1:]):

@@ -249,18 +249,9 @@ def run_case(runner, chosen: list[Impl], shape: tuple, dtype_name: str, timer: C
                   logits_gib=rows * classes * size / 2**30)
     products = LinearLogProbsRecord(PRODUCTS, "floor", **common)
     records = [products] + [LinearLogProbsRecord(impl.name, impl.role, **common) for impl in chosen]
-    reason = too_big(shape, dtype_name, runner.device)
-    inputs = None
-    if not reason:
-        try:
-            inputs = make_inputs(shape, dtype_name, runner.device)
-        except Exception as error:  # noqa: BLE001 - e.g. out of memory: every record gets the note
-            reason = describe_error(error)
-            timing.recover()
-    if reason:
-        for record in records:
-            runner.progress.step(f"{OP} {dtype_name} {record.shape} {record.impl}")
-            record.note = reason
+    inputs = timing.case_inputs(runner, OP, dtype_name, records, too_big(shape, dtype_name, runner.device),
+                                lambda: make_inputs(shape, dtype_name, runner.device))
+    if inputs is None:
         return records
     runner.progress.step(f"{OP} {dtype_name} {products.shape} {PRODUCTS}")
     _measure_products(runner, products, inputs, timer)

@@ -182,18 +182,9 @@ def run_case(runner, chosen: list[Impl], shape: tuple, dtype_name: str, copy_gb_
     common = dict(dtype=dtype_name, shape=shape_label(shape), pass_bytes=rows * classes * plan.ELEMENT_SIZE[dtype_name])
     copy = LogProbsRecord(COPY, "copy", **common)
     records = [copy] + [LogProbsRecord(impl.name, impl.role, **common) for impl in chosen]
-    reason = too_big(shape, dtype_name, runner.device)
-    inputs = None
-    if not reason:
-        try:
-            inputs = make_inputs(shape, dtype_name, runner.device)
-        except Exception as error:  # noqa: BLE001 - e.g. out of memory: every record gets the note
-            reason = describe_error(error)
-            timing.recover()
-    if reason:
-        for record in records:
-            runner.progress.step(f"{OP} {dtype_name} {record.shape} {record.impl}")
-            record.note = reason
+    inputs = timing.case_inputs(runner, OP, dtype_name, records, too_big(shape, dtype_name, runner.device),
+                                lambda: make_inputs(shape, dtype_name, runner.device))
+    if inputs is None:
         return records
     runner.progress.step(f"{OP} {dtype_name} {copy.shape} {COPY}")
     _measure_copy(runner, copy, inputs, copy_gb_per_s, timer, eager_timer)

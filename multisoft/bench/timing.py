@@ -207,3 +207,21 @@ def first_call_ms(fn: Callable) -> float:
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3
+
+
+def case_inputs(runner, op: str, dtype_name: str, records: list, reason: str, make: Callable):
+    """A case's inputs, ``make()``, unless ``reason`` (why the case is skipped) or making them fails (out of
+    memory, an exception): then every record gets that as its note, the progress steps past them, and None is
+    returned."""
+    from .records import describe_error
+
+    if not reason:
+        try:
+            return make()
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory: every record gets the note
+            reason = describe_error(error)
+            recover()
+    for record in records:
+        runner.progress.step(f"{op} {dtype_name} {record.shape} {record.impl}")
+        record.note = reason
+    return None
